@@ -1,0 +1,39 @@
+"""ampaudit: make PyTorch mixed-precision training safe and fast.
+
+    import ampaudit
+    report = ampaudit.check(model, x, device="cuda", dtype="float16")
+    print(report.to_text())
+    with ampaudit.watch(model, trace="run.jsonl", every=50) as w:
+        ...  # your training loop
+
+Names are imported lazily so ``import ampaudit`` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "check": "ampaudit.api",
+    "Report": "ampaudit.findings",
+    "Finding": "ampaudit.findings",
+    "watch": "ampaudit.runtime.watch",
+    "Watch": "ampaudit.runtime.watch",
+    "Trainer": "ampaudit.train.trainer",
+    "LossScaler": "ampaudit.train.scaler",
+    "fix": "ampaudit.fix.api",
+    "keep_fp32": "ampaudit.fix.keep_fp32",
+    "AmpAuditError": "ampaudit.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ampaudit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,3 @@
+from ampaudit.cli import main
+
+main()

@@ -1,0 +1,250 @@
+"""AmpProp: shape and dtype propagation under a target autocast policy, without weight values.
+
+Written like ``torch.fx.passes.shape_prop``: an Interpreter that runs the graph on fake tensors (FakeTensorMode, so
+no memory is allocated for activations or weights; meta-device models work) and writes one ``node.meta`` key,
+``"amp"``, an :class:`AmpInfo`::
+
+    gm = capture(model).gm
+    AmpProp(gm, Policy.load("cuda", "float16")).propagate(*args, **kwargs)
+    info = node.meta["amp"]       # op, shape, dtype (under autocast), compute_dtype, category, module, source
+
+The fake run itself is in fp32 (the model as written); the autocast dtypes are a second track computed from the
+policy tables: lower ops produce the low dtype, fp32 ops fp32, unlisted ops follow torch's type promotion of their
+tensor inputs, and explicit casts (``.float()``, ``.to(x.dtype)``) win. ``x.dtype`` resolves to x's autocast dtype,
+so masks built with ``.to(scores.dtype)`` get the dtype they would really have.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, SourceLoc
+from ampaudit.errors import InputError
+from ampaudit.policy import Policy, op_names
+
+AMP_KEY = "amp"
+
+_CAST_TARGETS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+@dataclass
+class AmpInfo:
+    """What ``AmpProp`` knows about one node."""
+
+    op: str
+    category: str | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None            # output dtype under the target autocast policy
+    compute_dtype: torch.dtype | None = None    # dtype the op's arithmetic runs in under the policy
+    input_shapes: list = field(default_factory=list)
+    input_dtypes: list = field(default_factory=list)
+    module: str = ""
+    module_type: str | None = None
+    source: SourceLoc | None = None
+    error: str | None = None                    # why shapes are unknown here, if they are
+    value: Any = None                           # the fake output (tensors carry shapes only)
+
+
+def canonical_op(node: fx.Node, root: torch.nn.Module) -> tuple[str, str | None]:
+    """(canonical op name, module class name) of a node, using rules/ops.toml."""
+    names = op_names()
+    if node.op == "call_module":
+        cls = type(root.get_submodule(node.target)).__name__
+        return names["modules"].get(cls, cls.lower()), cls
+    if node.op == "call_function":
+        raw = getattr(node.target, "__name__", str(node.target))
+    elif node.op == "call_method":
+        raw = str(node.target)
+    else:
+        return node.op, None
+    raw = names["aliases"].get(raw, raw)
+    return names["aliases"].get(raw.strip("_"), raw.strip("_")) if raw.startswith("__") else raw, None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+def _promote(dtypes: list[tuple[torch.dtype, int]]) -> torch.dtype | None:
+    """torch's promotion for (dtype, ndim) pairs: dimensioned tensors win over 0-dim ones of the same category."""
+    floats = [(d, nd) for d, nd in dtypes if d.is_floating_point]
+    if not floats:
+        return None
+    ranked = [d for d, nd in floats if nd > 0] or [d for d, _ in floats]
+    out = ranked[0]
+    for d in ranked[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+class AmpProp(fx.Interpreter):
+    """Interpreter writing ``node.meta["amp"]``; call :meth:`propagate` with the example inputs."""
+
+    def __init__(self, gm: fx.GraphModule, policy: Policy):
+        super().__init__(gm, garbage_collect_values=True)
+        self.policy = policy
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.amp_dtype: dict[fx.Node, Any] = {}   # node -> autocast dtype (tensor outputs) or dtype value
+        self.ndim: dict[fx.Node, int] = {}        # tensor-valued nodes -> ndim (0-dim tensors promote weakly)
+        self.unknown: list[fx.Node] = []
+
+    # -- entry point -----------------------------------------------------------------------------------------
+    def propagate(self, *args, **kwargs) -> fx.GraphModule:
+        device = self._param_device()
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        bound = self._bind(placeholders, args, kwargs)
+
+        def to_fake(x):
+            if isinstance(x, torch.Tensor):
+                return self.fake_mode.from_tensor(x.to(device) if x.device != device else x)
+            return x
+
+        fake_args = tree_map(to_fake, bound)
+        with self.fake_mode, torch.no_grad():
+            self.run(*fake_args)
+        return self.module
+
+    def _param_device(self) -> torch.device:
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            return t.device
+        return torch.device("cpu")
+
+    def _bind(self, placeholders: list[fx.Node], args: tuple, kwargs: dict) -> list:
+        values = list(args)
+        for ph in placeholders[len(args):]:
+            if ph.target in kwargs:
+                values.append(kwargs[ph.target])
+            elif ph.args:  # default value recorded by the tracer
+                values.append(ph.args[0])
+            else:
+                raise InputError(f"no example input for forward argument {ph.target!r}",
+                                 hint="add it to example_inputs(), or pass one --input per argument")
+        return values[: len(placeholders)]
+
+    # -- per node --------------------------------------------------------------------------------------------
+    def run_node(self, n: fx.Node) -> Any:
+        op, cls = canonical_op(n, self.module)
+        info = AmpInfo(op=op, module=n.meta.get(MODULE_KEY, ""), module_type=cls, source=n.meta.get(SOURCE_KEY))
+        info.category = self.policy.category(op) if n.op in ("call_module", "call_function", "call_method") else None
+        inputs = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
+        info.input_shapes = [getattr(a.meta.get(AMP_KEY), "shape", None) for a in inputs]
+        info.input_dtypes = [self.amp_dtype.get(a) for a in inputs]
+        try:
+            result = super().run_node(n)
+        except Exception as exc:  # an op without a fake kernel: shapes downstream are unknown, dtypes still flow
+            result = None
+            info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+            self.unknown.append(n)
+            if n.op == "placeholder":
+                raise
+        tensors = _tensors(result)
+        if tensors:
+            info.shape = tuple(tensors[0].shape)
+        info.value = result if n.op not in ("placeholder", "get_attr") or tensors else None
+        self._dtype_track(n, info, result, inputs)
+        n.meta[AMP_KEY] = info
+        if result is None and info.error:
+            raise _Unknown(n)
+        return result
+
+    def run(self, *args, **kwargs):
+        # Like Interpreter.run, but a node without a fake kernel only blanks the nodes that depend on it.
+        self.env = {}
+        args_iter = iter(args)
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                self.args_iter = args_iter
+            if node.op == "output":
+                break
+            if any(isinstance(a, fx.Node) and a not in self.env for a in tree_flatten((node.args, node.kwargs))[0]):
+                node.meta[AMP_KEY] = AmpInfo(op=canonical_op(node, self.module)[0], module=node.meta.get(MODULE_KEY, ""),
+                                             source=node.meta.get(SOURCE_KEY), error="input shape unknown")
+                self._dtype_track(node, node.meta[AMP_KEY], None,
+                                  [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)])
+                continue
+            try:
+                self.env[node] = self.run_node(node)
+            except _Unknown:
+                continue
+        return None
+
+    # -- the autocast dtype track ----------------------------------------------------------------------------
+    def _dtype_track(self, n: fx.Node, info: AmpInfo, result: Any, inputs: list[fx.Node]) -> None:
+        ts = _tensors(result)
+        if n.op in ("placeholder", "get_attr"):
+            out = ts[0].dtype if ts else None
+            info.dtype = self.amp_dtype[n] = out
+            if ts:
+                self.ndim[n] = ts[0].dim()
+            return
+        if n.op == "call_function" and n.target is getattr and len(n.args) == 2 and n.args[1] == "dtype":
+            self.amp_dtype[n] = self.amp_dtype.get(n.args[0])  # x.dtype is x's autocast dtype
+            return
+        if result is not None and not ts:  # shapes, ints, None: not a tensor, nothing to autocast
+            self.amp_dtype[n] = None
+            return
+        tensor_in = [(self.amp_dtype[a], self.ndim[a]) for a in inputs
+                     if a in self.ndim and isinstance(self.amp_dtype.get(a), torch.dtype)]
+        cat, low = info.category, self.policy.low
+        explicit = self._explicit_dtype(n)
+        if ts and not ts[0].dtype.is_floating_point:  # indices, masks, shapes: autocast leaves them alone
+            out, compute = ts[0].dtype, _promote(tensor_in)
+        elif cat == "lower":
+            out = explicit or low
+            compute = self.policy.gemm_dtype if self.policy.gemm_dtype is not None and info.op in _GEMM_OPS else low
+        elif cat in ("fp32", "fp32_output"):
+            out, compute = explicit or torch.float32, torch.float32
+        elif explicit is not None:
+            # .to(dtype)/.float() compute nothing; softmax(..., dtype=torch.float32) computes in that dtype.
+            is_cast = n.op == "call_method" and (n.target in _CAST_TARGETS or n.target in ("to", "type", "type_as"))
+            out = explicit
+            compute = (_promote(tensor_in) or explicit) if is_cast else explicit
+        else:  # promote, banned, or unlisted: torch's type promotion of the tensor inputs
+            compute = _promote(tensor_in)
+            if compute is None:
+                params = list(self.module.get_submodule(n.target).parameters()) if n.op == "call_module" else []
+                compute = params[0].dtype if params else (ts[0].dtype if ts else None)
+            out = compute
+        info.dtype, info.compute_dtype = out, compute
+        self.amp_dtype[n] = out
+        if ts:
+            self.ndim[n] = ts[0].dim()
+        elif result is None and isinstance(out, torch.dtype):
+            self.ndim[n] = 1  # shape unknown, but a tensor all the same
+
+    def _explicit_dtype(self, n: fx.Node) -> torch.dtype | None:
+        if n.op == "call_method" and n.target in _CAST_TARGETS:
+            return _CAST_TARGETS[n.target]
+        if n.op == "call_method" and n.target in ("to", "type", "type_as"):
+            for a in list(n.args[1:]) + list(n.kwargs.values()):
+                if isinstance(a, torch.dtype):
+                    return a
+                if isinstance(a, fx.Node):
+                    d = self.amp_dtype.get(a)
+                    if isinstance(d, torch.dtype):
+                        return d
+            return None
+        dt = n.kwargs.get("dtype")
+        if isinstance(dt, torch.dtype):
+            return dt
+        if isinstance(dt, fx.Node) and isinstance(self.amp_dtype.get(dt), torch.dtype):
+            return self.amp_dtype[dt]
+        return None
+
+
+_GEMM_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d"}
+
+
+def _is_gemm(op: str) -> bool:
+    return op in _GEMM_OPS
+
+
+class _Unknown(Exception):
+    def __init__(self, node: fx.Node):
+        super().__init__(node.format_node())

@@ -1,0 +1,53 @@
+"""The library entry point of the static audit.
+
+    report = ampaudit.check(model, x, device="cuda", dtype="float16")
+    report = ampaudit.check(model, input_ids, attention_mask=mask, select=["AMP1"], rules_dirs=["my_rules"])
+
+``check`` captures the model with torch.fx, propagates shapes and autocast dtypes on fake tensors (weights are
+never read, so a meta-device model works), runs the rules and returns a :class:`~ampaudit.findings.Report`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from torch import nn
+
+from ampaudit.analysis.amp_prop import AmpProp
+from ampaudit.capture.fx_capture import capture
+from ampaudit.errors import UsageError
+from ampaudit.findings import Report
+from ampaudit.policy import Policy, settings
+from ampaudit.rules.engine import relative_location, run_rules
+from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
+from ampaudit.rules.registry import MatchContext
+
+
+def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
+          select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
+          rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
+          **kwargs) -> Report:
+    """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
+    policy = Policy.load(device, dtype)
+    rules = load_rules(list(rules_dirs))
+    validate_selectors(rules, list(select or []), "--select")
+    validate_selectors(rules, list(ignore or []), "--ignore")
+    active = [r for r in rules if rule_selected(r, list(select or []), list(ignore or []))]
+
+    cap = capture(model)
+    prop = AmpProp(cap.gm, policy)
+    prop.propagate(*args, **kwargs)
+    ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, settings=settings())
+    findings, suppressed = run_rules(ctx, active)
+    if base_dir is not None:
+        for f in findings:
+            relative_location(f, Path(base_dir))
+    report = Report(target=target or type(model).__name__, capture=cap.mode, policy=policy.describe(),
+                    findings=findings, suppressed=suppressed, nodes=len(cap.gm.graph.nodes))
+    if prop.unknown:
+        names = ", ".join(n.name for n in prop.unknown[:5])
+        report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
+                            "alignment and depth findings there may be missing")
+    return report

@@ -1,0 +1,172 @@
+"""Capture a model as a torch.fx graph whose nodes know their module path and the user's source line.
+
+    cap = capture(model)                  # Capture(gm, mode="fx")
+    for node in cap.gm.graph.nodes:
+        node.meta["ampaudit_module"]      # "encoder.layers.0.attn" ("" for the top module)
+        node.meta["ampaudit_source"]      # SourceLoc(file, line, code) or None
+
+A model fx cannot trace raises :class:`CaptureError` naming the user's line that broke tracing.
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ampaudit.errors import CaptureError
+
+MODULE_KEY = "ampaudit_module"
+SOURCE_KEY = "ampaudit_source"
+
+# Frames from these folders are machinery, not the user's model code.
+_SKIP_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in (
+    Path(torch.__file__).parent, Path(__file__).resolve().parents[1], Path(os.__file__).parent,
+))
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    file: str
+    line: int
+    code: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def as_dict(self) -> dict:
+        return {"file": self.file, "line": self.line}
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return False
+    try:
+        resolved = str(Path(filename).resolve())
+    except OSError:
+        return False
+    return not resolved.startswith(_SKIP_DIRS)
+
+
+def user_frame() -> SourceLoc | None:
+    """The innermost frame of the running stack that belongs to the user's code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _is_user_file(filename):
+            line = frame.f_lineno
+            return SourceLoc(filename, line, linecache.getline(filename, line).strip())
+        frame = frame.f_back
+    return None
+
+
+def user_frame_of(tb_or_frames) -> SourceLoc | None:
+    """The innermost user frame of a traceback (for errors raised while tracing)."""
+    frames = traceback.extract_tb(tb_or_frames) if not isinstance(tb_or_frames, list) else tb_or_frames
+    for fr in reversed(frames):
+        if _is_user_file(fr.filename):
+            return SourceLoc(fr.filename, fr.lineno or 0, (fr.line or "").strip())
+    return None
+
+
+class AuditTracer(fx.Tracer):
+    """An fx Tracer that stamps every node with the module whose own code created it and the user's line."""
+
+    def __init__(self, leaf_types: tuple[type, ...] = ()):
+        super().__init__()
+        self._extra_leaves = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if self._extra_leaves and isinstance(m, self._extra_leaves):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind == "call_module":
+            path = str(target)
+        else:
+            # module_stack holds the modules whose forward is running; the last one owns this op.
+            stack = getattr(self, "module_stack", None) or {}
+            path = next(reversed(stack), "") if stack else ""
+        node.meta[MODULE_KEY] = _strip_wrapper(path)
+        node.meta[SOURCE_KEY] = user_frame() if kind not in ("placeholder", "output") else None
+        return node
+
+
+@dataclass
+class Capture:
+    """A captured model: the graph module, how it was captured, and the original root."""
+
+    gm: fx.GraphModule
+    mode: str
+    root: nn.Module
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+
+_WRAPPED = "_ampaudit_root"
+
+
+def _strip_wrapper(path: str) -> str:
+    if path == _WRAPPED:
+        return ""
+    return path[len(_WRAPPED) + 1:] if path.startswith(_WRAPPED + ".") else path
+
+
+class _LeafRoot(nn.Module):
+    """Holds a root that is itself a torch.nn leaf (a bare nn.LSTM), so it shows up as one call_module node."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        setattr(self, _WRAPPED, inner)
+
+
+def _wrap_leaf(inner: nn.Module) -> nn.Module:
+    # fx reads placeholders from forward's code object, so *args will not do: spell out the inner signature.
+    import inspect
+
+    params = [p for p in inspect.signature(inner.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    defaults = {f"_d{i}": p.default for i, p in enumerate(params) if p.default is not p.empty}
+    sig = ", ".join(p.name + (f"=_d{i}" if f"_d{i}" in defaults else "") for i, p in enumerate(params))
+    call = ", ".join(p.name for p in params)
+    ns = dict(defaults)
+    exec(f"def forward(self, {sig}):\n    return getattr(self, {_WRAPPED!r})({call})\n", ns)
+    cls = type("_LeafRoot", (_LeafRoot,), {"forward": ns["forward"]})
+    return cls(inner)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP / DataParallel / FSDP-style wrappers keep the real model in .module; names are relative to it.
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and type(model).__name__ in (
+            "DistributedDataParallel", "DataParallel"):
+        model = model.module
+    return model
+
+
+def capture(model: nn.Module, *, concrete_args: dict | None = None,
+            leaf_types: tuple[type, ...] = ()) -> Capture:
+    """Trace ``model`` with torch.fx; raise CaptureError naming the user's line when tracing fails."""
+    model = _unwrap(model)
+    tracer = AuditTracer(leaf_types)
+    if tracer.is_leaf_module(model, ""):
+        model = _wrap_leaf(model)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:
+        loc = user_frame_of(exc.__traceback__)
+        where = f" at {Path(loc.file).name}:{loc.line} ({loc.code})" if loc else ""
+        reason = " ".join(str(exc).split())[:200]
+        raise CaptureError(f"torch.fx cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}",
+                           hint="make that line independent of tensor values, or mark the module as a leaf") from exc
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    return Capture(gm=gm, mode="fx", root=model)

@@ -1,0 +1,103 @@
+"""``ampaudit check``: the static audit, from a model file to a table, JSON or SARIF report."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from ampaudit.cli.app import app, cli_errors
+from ampaudit.errors import UsageError
+from ampaudit.findings import SEVERITY_RANK
+
+FORMATS = ("table", "json", "sarif")
+FAIL_ON = ("error", "warning", "info", "never")
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
+@app.command()
+@cli_errors
+def check(
+    target: Annotated[str, typer.Argument(help="Model file (model.py) or pkg.module:factory.")],
+    entry: Annotated[Optional[str], typer.Option(help="Name of the model factory, class or instance in the file.")] = None,
+    input: Annotated[Optional[list[str]], typer.Option("--input", help="Input shape per forward argument, e.g. 8x3x224x224 or 8x128:int64 (instead of example_inputs).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="Target device whose autocast policy applies: cuda or cpu [default: cuda].")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="Reduced precision: float16, bfloat16 or float8 [default: float16].")] = None,
+    format: Annotated[Optional[str], typer.Option("--format", "-f", help="table, json or sarif [default: table].")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file (atomically).")] = None,
+    fail_on: Annotated[Optional[str], typer.Option(help="Exit 1 when a finding is at or above: error, warning, info, never [default: warning].")] = None,
+    select: Annotated[Optional[list[str]], typer.Option(help="Only these rules: ids, id prefixes (AMP2), names or families; comma-separated or repeated.")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(help="Skip these rules (same forms as --select).")] = None,
+    rules: Annotated[Optional[list[Path]], typer.Option("--rules", help="Folder of extra rule files (*.toml).")] = None,
+    why: Annotated[bool, typer.Option("--why", help="Show why each finding matters (table format).")] = False,
+) -> None:
+    """Audit a model for mixed-precision hazards: alignment, precision-sensitive ops, norms, constants."""
+    from ampaudit.api import check as run_check
+    from ampaudit.config import load_config
+    from ampaudit.loading import load_target
+
+    target_path = Path(target)
+    cfg = load_config(start=target_path.parent if target.endswith(".py") else None)
+    device = device or cfg.get("device", "cuda")
+    dtype = dtype or cfg.get("dtype", "float16")
+    fmt = format or cfg.get("format", "table")
+    fail = fail_on or cfg.get("fail_on", "warning")
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
+    if fail not in FAIL_ON:
+        raise UsageError(f"unknown --fail-on {fail!r}", hint=f"use one of {', '.join(FAIL_ON)}")
+    sel = _split(select) or cfg.get("select")
+    ign = _split(ignore) or cfg.get("ignore")
+    rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
+
+    from ampaudit.policy import Policy
+
+    Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
+    loaded = load_target(target, entry=entry, inputs=input)
+    base = Path.cwd()
+    report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
+                       rules_dirs=rule_dirs, target=target, base_dir=base, **loaded.kwargs)
+
+    if fmt == "table":
+        if output:
+            console = Console(record=True, width=120, file=open("/dev/null", "w") if sys.platform != "win32" else None)
+            _render(report, console, why)
+            _write(output, console.export_text())
+        else:
+            _render(report, Console(), why)
+    else:
+        if fmt == "json":
+            text = json.dumps(report.to_dict(), indent=2)
+        else:
+            from ampaudit.report.sarif import to_sarif
+            from ampaudit.rules.loader import load_rules
+
+            text = json.dumps(to_sarif(report, load_rules(rule_dirs)), indent=2)
+        if output:
+            _write(output, text + "\n")
+        else:
+            typer.echo(text)
+    if fail != "never" and report.at_or_above(fail):
+        raise typer.Exit(1)
+
+
+def _render(report, console: Console, why: bool) -> None:
+    from ampaudit.report.console import render_report
+
+    render_report(report, console, show_why=why)
+
+
+def _write(path: Path, text: str) -> None:
+    from ampaudit.fileio import atomic_write_text
+
+    atomic_write_text(path, text)
+    typer.echo(f"wrote {path}", err=True)
+
+
+assert set(SEVERITY_RANK) <= set(FAIL_ON)

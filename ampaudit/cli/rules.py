@@ -1,0 +1,55 @@
+"""``ampaudit rules``: list the rules, or explain one."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ampaudit.cli.app import app, cli_errors
+
+rules_app = typer.Typer(help="List the rules, or explain one (ampaudit rules explain AMP201).",
+                        invoke_without_command=True, no_args_is_help=False)
+app.add_typer(rules_app, name="rules")
+
+RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", help="Folder of extra rule files (*.toml).")]
+
+
+@rules_app.callback()
+@cli_errors
+def rules_main(ctx: typer.Context, rules: RulesOpt = None) -> None:
+    """List every rule: id, name, family, default severity."""
+    if ctx.invoked_subcommand is not None:
+        return
+    list_rules(rules)
+
+
+@rules_app.command("list")
+@cli_errors
+def list_rules(rules: RulesOpt = None) -> None:
+    """List every rule: id, name, family, default severity."""
+    from ampaudit.rules.loader import load_rules
+
+    table = Table("id", "name", "family", "severity", box=None)
+    for r in load_rules([str(p) for p in rules or []]):
+        table.add_row(r.id, r.name, r.family, r.severity)
+    Console().print(table)
+
+
+@rules_app.command("explain")
+@cli_errors
+def explain(rule_id: Annotated[str, typer.Argument(help="Rule id or name, e.g. AMP201.")], rules: RulesOpt = None) -> None:
+    """What a rule checks, why it matters, and how to fix it."""
+    from ampaudit.rules.loader import find_rule, load_rules
+
+    r = find_rule(load_rules([str(p) for p in rules or []]), rule_id)
+    typer.echo(f"{r.id} {r.name} ({r.family}, {r.severity})\n")
+    typer.echo("Why: " + " ".join(r.why.split()))
+    if r.fix:
+        typer.echo("Fix: " + r.fix)
+    if r.params.get("ops"):
+        typer.echo("Ops: " + ", ".join(r.params["ops"]))
+    for ref in r.references:
+        typer.echo("See: " + ref)

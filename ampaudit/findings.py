@@ -1,0 +1,84 @@
+"""Findings and the report that holds them; the JSON form is the versioned output contract of ``check``.
+
+    report.findings[0].rule        # "AMP201"
+    report.to_dict()               # {"version", "target", "capture", "policy", "findings", "summary"}
+    report.worst()                 # "error" | "warning" | "info" | None
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REPORT_VERSION = "1.0"
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+
+
+@dataclass
+class Finding:
+    """One hazard: which rule, which module, which op, which source line, why it matters and how to fix it."""
+
+    rule: str
+    name: str
+    family: str
+    severity: str
+    module: str
+    op: str
+    message: str
+    location: dict | None = None          # {"file": str, "line": int}
+    fix: str | None = None
+    why: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    code: str = ""                        # the source line itself, for the console
+
+    def as_dict(self) -> dict:
+        return {"rule": self.rule, "name": self.name, "family": self.family, "severity": self.severity,
+                "module": self.module, "op": self.op, "message": self.message, "location": self.location,
+                "fix": self.fix, "why": self.why, "details": _jsonable(self.details)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+@dataclass
+class Report:
+    """What one audit found, in execution order of the graph."""
+
+    target: str
+    capture: str
+    policy: dict
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    suppressed: int = 0
+    nodes: int = 0
+
+    def worst(self) -> str | None:
+        if not self.findings:
+            return None
+        return max((f.severity for f in self.findings), key=SEVERITY_RANK.__getitem__)
+
+    def at_or_above(self, severity: str) -> list[Finding]:
+        return [f for f in self.findings if SEVERITY_RANK[f.severity] >= SEVERITY_RANK[severity]]
+
+    def summary(self) -> dict:
+        by_sev = {s: 0 for s in SEVERITY_RANK}
+        by_family: dict[str, int] = {}
+        for f in self.findings:
+            by_sev[f.severity] += 1
+            by_family[f.family] = by_family.get(f.family, 0) + 1
+        return {"total": len(self.findings), "by_severity": by_sev, "by_family": by_family,
+                "suppressed": self.suppressed, "nodes": self.nodes}
+
+    def to_dict(self) -> dict:
+        return {"version": REPORT_VERSION, "target": self.target, "capture": self.capture, "policy": self.policy,
+                "findings": [f.as_dict() for f in self.findings], "summary": self.summary(), "notes": self.notes}

@@ -1,0 +1,131 @@
+"""Target autocast policies as data: which dtype each op computes in on a device, for a low-precision dtype.
+
+    policy = Policy.load("cuda", "float16")
+    policy.category("softmax")      # "fp32_output"
+    policy.low                      # torch.float16
+    policy.alignment                # 8
+
+The tables live in ``rules/policy/<device>.toml`` and ``rules/ops.toml``; nothing here names an op.
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ampaudit.errors import RuleError, UsageError
+
+DEVICES = ("cuda", "cpu")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
+CATEGORIES = ("lower", "fp32", "fp32_output", "promote", "banned")
+
+
+def rules_dir() -> Path:
+    """The packaged rules/ folder (inside the wheel) or the repository's rules/ (source checkout, editable)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_rules", here.parent / "rules"):
+        if (candidate / "ops.toml").is_file():
+            return candidate
+    raise RuleError("ampaudit's rules/ data folder is missing", hint="reinstall ampaudit")
+
+
+def read_toml(path: Path) -> dict:
+    """Parse a TOML file; a syntax error becomes a RuleError naming the file and line."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise RuleError(f"rule file not found: {path}", hint="check --rules") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise RuleError(f"{path.name}: invalid TOML: {exc}", hint="fix the file") from exc
+
+
+@lru_cache(maxsize=None)
+def op_names() -> dict:
+    """``{"modules": {class name: op}, "aliases": {...}, "casts": {...}}`` from rules/ops.toml."""
+    return read_toml(rules_dir() / "ops.toml")
+
+
+@lru_cache(maxsize=None)
+def settings() -> dict:
+    return read_toml(rules_dir() / "settings.toml")
+
+
+@dataclass(frozen=True)
+class DTypeLimits:
+    """What a float dtype can hold; the numbers come from torch.finfo."""
+
+    dtype: torch.dtype
+    max: float
+    normal: float  # smallest positive normal
+    subnormal: float  # smallest positive subnormal
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> "DTypeLimits":
+        fi = torch.finfo(dtype)
+        return cls(dtype, float(fi.max), float(fi.smallest_normal), float(fi.smallest_normal) * float(fi.eps))
+
+    def as_dtype(self, value: float) -> float:
+        """``value`` rounded to this dtype (inf when it overflows, 0 when it flushes)."""
+        return float(torch.tensor(value, dtype=torch.float64).to(self.dtype))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The autocast policy of one device for one low-precision dtype."""
+
+    device: str
+    dtype_name: str
+    low: torch.dtype
+    alignment: int
+    table: dict = field(hash=False, compare=False)
+    gemm_dtype: torch.dtype | None = None  # float8 targets run GEMMs in fp8, the rest in ``low``
+
+    @classmethod
+    def load(cls, device: str, dtype: str) -> "Policy":
+        return _load_policy(device, dtype)
+
+    def category(self, op: str) -> str | None:
+        """``lower``/``fp32``/``fp32_output``/``promote``/``banned``, or None when the op follows its inputs."""
+        return self.table.get(op)
+
+    @property
+    def limits(self) -> DTypeLimits:
+        return DTypeLimits.of(self.low)
+
+    def short(self) -> str:
+        return {"float16": "fp16", "bfloat16": "bf16", "float8": "fp8"}[self.dtype_name]
+
+    def describe(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype_name}
+
+
+@lru_cache(maxsize=None)
+def _load_policy(device: str, dtype: str) -> Policy:
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}", hint=f"use --device {' or '.join(DEVICES)}")
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}", hint=f"use --dtype {', '.join(DTYPES)}")
+    path = rules_dir() / "policy" / f"{device}.toml"
+    data = read_toml(path)
+    table: dict[str, str] = {}
+    for category in CATEGORIES:
+        ops = data.get(category, [])
+        if not isinstance(ops, list) or not all(isinstance(o, str) for o in ops):
+            raise RuleError(f"{path.name}: key {category!r} must be a list of op names", hint="fix the policy file")
+        for op in ops:
+            table.setdefault(op, category)
+    align = settings()["alignment"]
+    gemm = None
+    if dtype == "float8":
+        gemm = getattr(torch, settings()["float8"]["gemm_dtype"], None)
+    return Policy(device=device, dtype_name=dtype, low=DTYPES[dtype], alignment=int(align[dtype]), table=table,
+                  gemm_dtype=gemm)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return int(math.ceil(value / multiple) * multiple)

@@ -1,0 +1,1 @@
+"""Renderers: check findings (console, JSON, SARIF) and training traces (summary, HTML)."""

@@ -1,0 +1,87 @@
+"""Run the selected rules over a propagated graph and turn their hits into findings.
+
+    findings, suppressed = run_rules(ctx, rules)
+
+A finding on a source line that carries ``# ampaudit: ignore`` or ``# ampaudit: ignore[AMP201,AMP101]`` is
+suppressed (counted, not reported). Hits of one rule on the same module with the same message (a module called
+twice) are reported once.
+"""
+from __future__ import annotations
+
+import linecache
+import re
+from pathlib import Path
+
+from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.capture.fx_capture import SOURCE_KEY
+from ampaudit.errors import RuleError
+from ampaudit.findings import Finding
+from ampaudit.rules.loader import Rule
+from ampaudit.rules.registry import MATCHERS, Hit, MatchContext
+
+_IGNORE_RE = re.compile(r"#\s*ampaudit:\s*ignore(?:\[([^\]]*)\])?", re.IGNORECASE)
+
+
+def suppressed_by_comment(file: str | None, line: int | None, rule: Rule) -> bool:
+    """True when the source line says ``# ampaudit: ignore`` (all rules) or names this rule's id or name."""
+    if not file or not line:
+        return False
+    m = _IGNORE_RE.search(linecache.getline(file, line))
+    if not m:
+        return False
+    if m.group(1) is None:
+        return True
+    wanted = {s.strip() for s in m.group(1).split(",")}
+    return rule.id in wanted or rule.name in wanted
+
+
+def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
+    node = hit.node
+    info = node.meta.get(AMP_KEY) if node is not None else None
+    src = hit.source or (node.meta.get(SOURCE_KEY) if node is not None else None)
+    module = hit.module if hit.module is not None else (info.module if info else "")
+    op = hit.op or (info.op if info else "")
+    fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
+              "low": ctx.policy.short(), **hit.details}
+    try:
+        message = rule.message.format(**fields)
+        fix = rule.fix.format(**fields) if rule.fix else None
+    except (KeyError, ValueError, IndexError) as exc:
+        raise RuleError(f"{rule.origin}: rule {rule.id}: cannot fill its message: {exc}",
+                        hint="check the {fields} of message and fix") from exc
+    return Finding(rule=rule.id, name=rule.name, family=rule.family, severity=hit.severity or rule.severity,
+                   module=module, op=op, message=message, fix=fix, why=" ".join(rule.why.split()),
+                   location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
+                   code=src.code if src else "")
+
+
+def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]:
+    """All findings of ``rules`` in graph order, and how many were suppressed by source comments."""
+    order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+    collected: list[tuple[int, Finding]] = []
+    seen: set[tuple] = set()
+    suppressed = 0
+    for rule in rules:
+        for hit in MATCHERS[rule.matcher].fn(ctx, rule):
+            f = _finding(ctx, rule, hit)
+            key = (f.rule, f.module, f.message)
+            if key in seen:
+                continue
+            seen.add(key)
+            loc = f.location or {}
+            if suppressed_by_comment(loc.get("file"), loc.get("line"), rule):
+                suppressed += 1
+                continue
+            collected.append((order.get(hit.node, len(order)), f))
+    collected.sort(key=lambda t: t[0])
+    return [f for _, f in collected], suppressed
+
+
+def relative_location(f: Finding, base: Path) -> None:
+    """Rewrite the finding's file path relative to ``base`` when it lies below it (stable in reports and SARIF)."""
+    if not f.location:
+        return
+    try:
+        f.location["file"] = str(Path(f.location["file"]).resolve().relative_to(base.resolve()))
+    except ValueError:
+        pass

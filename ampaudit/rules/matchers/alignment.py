@@ -1,0 +1,142 @@
+"""Tensor Core alignment: GEMM dims of Linear, Conv, Embedding, matmul/bmm/SDPA and RNNs off the policy's multiple.
+
+GEMM naming follows NVIDIA's guide: for y = x W^T with W [out, in], forward M=out N=tokens K=in, dgrad M=in N=tokens
+K=out, wgrad M=in N=out K=tokens.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch.fx as fx
+from torch import nn
+
+from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.policy import round_up
+from ampaudit.rules.registry import Hit, MatchContext, matcher
+
+FIELDS = {"kind", "shape", "dim", "value", "multiple", "padded", "gemms"}
+
+_LINEAR_GEMMS = {"in_features": "forward K, dgrad M, wgrad M", "out_features": "forward M, dgrad K, wgrad N"}
+
+
+def _multiple(ctx: MatchContext, node: fx.Node) -> int:
+    return ctx.policy.alignment
+
+
+def _runs_low(ctx: MatchContext, node: fx.Node) -> bool:
+    return ctx.is_low(node.meta[AMP_KEY].compute_dtype)
+
+
+def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]], multiple: int) -> Iterator[Hit]:
+    for dim, value, gemms in dims:
+        if value > 1 and value % multiple:
+            yield Hit(node, {"kind": kind, "shape": shape, "dim": dim, "value": value, "multiple": multiple,
+                             "padded": round_up(value, multiple), "gemms": gemms})
+
+
+@matcher("linear_dims", fields=FIELDS)
+def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if info.op != "linear" or not _runs_low(ctx, node):
+            continue
+        if node.op == "call_module":
+            m = ctx.root.get_submodule(node.target)
+            fin, fout = getattr(m, "in_features", None), getattr(m, "out_features", None)
+        else:  # F.linear(x, weight): weight is the second input
+            wshape = _shape(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+            if not wshape or len(wshape) != 2:
+                continue
+            fout, fin = wshape
+        if fin is None or fout is None:
+            continue
+        yield from _hits(node, "Linear", f"{fin}->{fout}",
+                         [("in_features", fin, _LINEAR_GEMMS["in_features"]),
+                          ("out_features", fout, _LINEAR_GEMMS["out_features"])], _multiple(ctx, node))
+
+
+@matcher("conv_channels", fields=FIELDS)
+def conv_channels(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if not info.op.startswith(("conv1d", "conv2d", "conv3d", "conv_transpose")) or not _runs_low(ctx, node):
+            continue
+        if node.op == "call_module":
+            m = ctx.root.get_submodule(node.target)
+            kind, groups, cin, cout, kernel = (type(m).__name__, m.groups, m.in_channels, m.out_channels,
+                                               tuple(m.kernel_size))
+        else:  # F.conv2d(x, weight, bias, stride, padding, dilation, groups): read the weight's shape
+            w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            wshape = _shape(w)
+            if not wshape or len(wshape) < 3 or info.op.startswith("conv_transpose"):
+                continue
+            groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+            kind, cout, cin, kernel = info.op, wshape[0], wshape[1] * groups, tuple(wshape[2:])
+        if groups > 1 and groups == cin:
+            continue  # depthwise: not a GEMM, alignment does not apply
+        k = "x".join(map(str, kernel))
+        yield from _hits(node, kind, f"{cin}->{cout} k{k}",
+                         [("in_channels", cin // groups, "implicit-GEMM K"),
+                          ("out_channels", cout // groups, "implicit-GEMM M")], _multiple(ctx, node))
+
+
+def _shape(value) -> tuple | None:
+    return getattr(value.meta.get(AMP_KEY), "shape", None) if isinstance(value, fx.Node) else None
+
+
+@matcher("embedding_dims", fields=FIELDS)
+def embedding_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        if node.op != "call_module":
+            continue
+        m = ctx.root.get_submodule(node.target)
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        yield from _hits(node, type(m).__name__, f"{m.num_embeddings}x{m.embedding_dim}",
+                         [("num_embeddings", m.num_embeddings, "output-projection N (vocabulary)"),
+                          ("embedding_dim", m.embedding_dim, "K of the GEMMs that read it")], _multiple(ctx, node))
+
+
+def _last2(shape) -> tuple[int, int] | None:
+    if shape is None or len(shape) < 2:
+        return None
+    return shape[-2], shape[-1]
+
+
+@matcher("matmul_dims", fields=FIELDS)
+def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if info.op not in ("matmul", "bmm", "mm", "baddbmm", "scaled_dot_product_attention") or not _runs_low(ctx, node):
+            continue
+        shapes = info.input_shapes
+        if info.op == "baddbmm":
+            shapes = shapes[1:]
+        if len(shapes) < 2:
+            continue
+        a, b = _last2(shapes[0]), _last2(shapes[1])
+        if a is None or b is None:
+            continue
+        if info.op == "scaled_dot_product_attention":
+            (lq, e), (s, _) = a, b
+            dims = [("head_dim", e, "QK^T K, PV N"), ("query length", lq, "QK^T M"), ("key length", s, "QK^T N, PV K")]
+            kind = "scaled_dot_product_attention"
+        else:
+            (m_, k), (_, n_) = a, b
+            dims = [("M", m_, "M"), ("K", k, "K"), ("N", n_, "N")]
+            kind = info.op
+        shape = f"{tuple(shapes[0])} @ {tuple(shapes[1])}"
+        yield from _hits(node, kind, shape, dims, _multiple(ctx, node))
+
+
+@matcher("rnn_dims", fields=FIELDS)
+def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        if node.op != "call_module" or not _runs_low(ctx, node):
+            continue
+        m = ctx.root.get_submodule(node.target)
+        if not isinstance(m, (nn.RNNBase, nn.RNNCellBase)):
+            continue
+        yield from _hits(node, type(m).__name__, f"input {m.input_size}, hidden {m.hidden_size}",
+                         [("input_size", m.input_size, "input GEMM K"),
+                          ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], _multiple(ctx, node))

@@ -1,0 +1,60 @@
+"""Normalization hazards the op tables cannot see: hand-written variance/RMS, and norm buffers beyond the dtype."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.rules.registry import Hit, MatchContext, matcher
+
+_SQUARE_OPS = {"pow", "square", "mul"}
+
+
+def _is_square(node) -> bool:
+    if not isinstance(node, fx.Node) or AMP_KEY not in node.meta:
+        return False
+    op = node.meta[AMP_KEY].op
+    if op == "pow":
+        return len(node.args) > 1 and node.args[1] == 2
+    if op == "square":
+        return True
+    return op == "mul" and len(node.args) == 2 and node.args[0] is node.args[1]
+
+
+@matcher("handwritten_norm", fields={"kind", "compute_dtype"})
+def handwritten_norm(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if info.op not in ("mean", "sum") or not node.args or not _is_square(node.args[0]):
+            continue
+        square = node.args[0]
+        sq_in = square.args[0]
+        centered = isinstance(sq_in, fx.Node) and sq_in.meta.get(AMP_KEY) is not None and sq_in.meta[AMP_KEY].op == "sub"
+        low = [d for d in (square.meta[AMP_KEY].compute_dtype, info.compute_dtype) if ctx.is_low(d)]
+        if low:
+            yield Hit(square, {"kind": "variance" if centered else "RMS", "compute_dtype": str(low[0]).replace("torch.", "")})
+
+
+@matcher("norm_buffers", fields={"buffer", "value", "dtype", "max"})
+def norm_buffers(ctx: MatchContext, rule) -> Iterator[Hit]:
+    limit = ctx.policy.limits.max
+    where = {n.target: n for n in ctx.gm.graph.nodes if n.op == "call_module"}
+
+    for name, m in ctx.root.named_modules():
+        if not isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
+            continue
+        for bname in ("running_var", "running_mean"):
+            buf = getattr(m, bname, None)
+            if not isinstance(buf, torch.Tensor) or buf.is_meta or buf.numel() == 0:
+                continue  # a meta model has no values to read; the audit never needs them
+            value = float(buf.detach().abs().max())
+            if value > limit:
+                node = where.get(name)
+                path = node.meta.get(MODULE_KEY, name) if node is not None else name
+                yield Hit(node, {"buffer": f"{path or type(m).__name__}.{bname}", "value": value,
+                                 "dtype": str(ctx.policy.low).replace("torch.", ""), "max": limit},
+                          module=path, op="batch_norm")

@@ -1,0 +1,115 @@
+"""Precision-sensitive ops (softmax, exp/log/pow, reductions, norms, losses) that would compute in reduced precision.
+
+Severity follows the policy: an op the target's autocast leaves in fp16/bf16 gets the rule's severity (raised to
+error for a growing reduction over many terms); an op autocast upcasts to fp32 gets ``upcast_severity`` (info: it is
+safe, at the cost of a cast), or nothing when that is "off".
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch.fx as fx
+from torch import nn
+
+from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.policy import settings
+from ampaudit.rules.registry import Hit, MatchContext, matcher
+
+FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note"}
+
+
+def _dim_arg(node: fx.Node):
+    if "dim" in node.kwargs:
+        return node.kwargs["dim"]
+    # softmax(x, dim), sum(x, dim), cumsum(x, dim): dim is the second positional argument when given.
+    if len(node.args) > 1 and isinstance(node.args[1], (int, tuple, list)):
+        return node.args[1]
+    return None
+
+
+def reduction_depth(ctx: MatchContext, node: fx.Node) -> int | None:
+    """How many elements each output of a reduction (or norm) combines, from the input shape."""
+    info = node.meta[AMP_KEY]
+    shape = info.input_shapes[0] if info.input_shapes else None
+    if shape is None:
+        return None
+    numel = math.prod(shape) if shape else 1
+    if node.op == "call_module":
+        m = ctx.root.get_submodule(node.target)
+        if isinstance(m, nn.LayerNorm) or hasattr(m, "normalized_shape"):
+            return math.prod(m.normalized_shape)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return numel // shape[1] if len(shape) > 1 else numel
+        if isinstance(m, nn.GroupNorm):
+            return numel // (shape[0] * m.num_groups) if shape else None
+        if isinstance(m, (nn.Softmax, nn.LogSoftmax)) and m.dim is not None:
+            return shape[m.dim]
+        return shape[-1] if shape else 1
+    dim = _dim_arg(node)
+    if dim is None:
+        if info.op in ("softmax", "log_softmax", "cumsum", "cumprod"):
+            return shape[-1] if shape else 1
+        return numel
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    try:
+        return math.prod(shape[d] for d in dims) if shape else 1
+    except (IndexError, TypeError):
+        return None
+
+
+def _overflow_note(ctx: MatchContext, node: fx.Node) -> str:
+    info = node.meta[AMP_KEY]
+    big = ctx.policy.limits.max
+    if info.op == "exp":
+        return f"; exp overflows for inputs above {math.log(big):.3g}"
+    if info.op == "pow" and len(node.args) > 1 and isinstance(node.args[1], (int, float)) and node.args[1] > 1:
+        return f"; x**{node.args[1]:g} overflows for |x| above {big ** (1.0 / node.args[1]):.3g}"
+    return ""
+
+
+@matcher("reduced_precision_op", fields=FIELDS)
+def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
+    ops = set(rule.param("ops", []))
+    upcast_sev = rule.param("upcast_severity", "info")
+    cfg = settings()
+    growing, error_depth = set(cfg["growing"]["ops"]), int(cfg["reduction"]["error_depth"])
+    bounded = set(cfg["reduction"].get("bounded", []))
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if info.op not in ops:
+            continue
+        low_inputs = any(ctx.is_low(d) for d in info.input_dtypes if d is not None)
+        depth = reduction_depth(ctx, node)
+        details = {"compute_dtype": _short(info.compute_dtype), "depth": depth if depth is not None else "?",
+                   "overflow_note": _overflow_note(ctx, node), "policy_note": ""}
+        if ctx.is_low(info.compute_dtype):
+            sev = rule.severity
+            if info.op in growing and depth is not None and depth >= error_depth:
+                sev = "error"
+            elif info.op in bounded:
+                sev = "info"
+            if info.category is None and ctx.policy.device == "cpu" and ctx.policy.table and _upcast_on_cuda(info.op):
+                details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
+            yield Hit(node, details, severity=sev)
+        elif info.category in ("fp32", "fp32_output") and low_inputs and upcast_sev != "off":
+            details["policy_note"] = f" ({ctx.policy.device.upper()} autocast upcasts it from {_short(ctx.policy.low)}: safe, one cast)"
+            yield Hit(node, details, severity=upcast_sev)
+
+
+def _upcast_on_cuda(op: str) -> bool:
+    from ampaudit.policy import Policy
+
+    return Policy.load("cuda", "float16").category(op) in ("fp32", "fp32_output")
+
+
+def _short(dtype) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "?"
+
+
+@matcher("banned_op", fields=set())
+def banned_op(ctx: MatchContext, rule) -> Iterator[Hit]:
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if info.category == "banned":
+            yield Hit(node, {})

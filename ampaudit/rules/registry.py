@@ -1,0 +1,82 @@
+"""Matchers: the named Python behind each data rule, registered by decorator.
+
+    @matcher("linear_dims", fields={"kind", "shape", "dim", "value", "multiple", "padded", "gemms"})
+    def linear_dims(ctx: MatchContext, rule: Rule) -> Iterator[Hit]: ...
+
+A rule file names its matcher (``matcher = "linear_dims"``); at load time every ``{field}`` of the rule's message
+and fix must be one the matcher declares, so a typo is an error naming the file and key, not a crash mid-audit.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+from ampaudit.capture.fx_capture import SourceLoc
+from ampaudit.policy import Policy
+
+# Fields every hit has, whatever its matcher.
+COMMON_FIELDS = {"op", "module", "device", "dtype", "low"}
+
+
+@dataclass
+class Hit:
+    """One place a matcher found: the node (for module and source line), and the values the message names."""
+
+    node: fx.Node | None
+    details: dict[str, Any]
+    severity: str | None = None          # overrides the rule's default
+    module: str | None = None            # when there is no node (buffers)
+    op: str | None = None
+    source: SourceLoc | None = None
+
+
+@dataclass
+class MatchContext:
+    """What a matcher may read: the captured graph (nodes carry meta["amp"]), the model, the policy."""
+
+    gm: fx.GraphModule
+    root: torch.nn.Module
+    policy: Policy
+    settings: dict = field(default_factory=dict)
+
+    def nodes(self) -> Iterator[fx.Node]:
+        for n in self.gm.graph.nodes:
+            if "amp" in n.meta and n.op in ("call_module", "call_function", "call_method"):
+                yield n
+
+    def is_low(self, dtype: torch.dtype | None) -> bool:
+        """True for the dtypes the policy lowers to (fp16/bf16, and fp8 for GEMMs)."""
+        return dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
+
+
+@dataclass(frozen=True)
+class Matcher:
+    name: str
+    fn: Callable[[MatchContext, Any], Iterator[Hit]]
+    fields: frozenset[str]
+
+
+MATCHERS: dict[str, Matcher] = {}
+
+
+def matcher(name: str, *, fields: set[str]) -> Callable:
+    """Register ``fn`` as the matcher ``name``; ``fields`` are the names its hits put in ``details``."""
+
+    def register(fn: Callable) -> Callable:
+        if name in MATCHERS:
+            warnings.warn(f"matcher {name!r} registered twice; the later one wins", stacklevel=2)
+        MATCHERS[name] = Matcher(name, fn, frozenset(fields) | COMMON_FIELDS)
+        return fn
+
+    return register
+
+
+def load_builtin_matchers() -> dict[str, Matcher]:
+    """Import the built-in matcher modules (each registers itself) and return the registry."""
+    from ampaudit.rules.matchers import alignment, constants, normalization, sensitive  # noqa: F401
+
+    return MATCHERS

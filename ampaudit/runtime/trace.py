@@ -1,0 +1,96 @@
+"""JSON Lines traces: one event per line, each with ``"event"`` and ``"step"``.
+
+Written by ``ampaudit.watch`` and ``ampaudit train --trace``, read by ``ampaudit report``. The writer flushes each
+line so a killed run leaves a readable file; the reader tolerates a truncated or corrupt line and says which.
+
+    with TraceWriter("run.jsonl") as tw:
+        tw.write("step", step=1, loss=0.7, scale=65536.0, skipped=False)
+    events, problems = read_trace("run.jsonl")
+
+Event kinds (version 1): ``meta`` (first line: version, tool, dtype, device, ...), ``step`` (loss, scale, skipped,
+grad_norm, clipped, lr, time), ``stats`` (module, phase, absmax, min_nonzero, inf, nan, zeros, subnormal,
+headroom_bits), ``nonfinite`` (phase forward|backward, module, op, source), ``divergence`` (module, metrics vs
+FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite grads), ``checkpoint``, ``halt``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import IO, Any
+
+from ampaudit.errors import TraceError
+
+TRACE_VERSION = 1
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no inf/NaN; write them as strings so every line stays valid JSON for other tools.
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # 0-d tensors and numpy scalars
+        return _clean(value.item())
+    return value
+
+
+class TraceWriter:
+    """Appends events to a JSON Lines file (or any text stream), one flushed line per event."""
+
+    def __init__(self, target: str | os.PathLike | IO[str], *, append: bool = False):
+        if hasattr(target, "write"):
+            self._fh, self._owns, self.path = target, False, None
+        else:
+            self.path = Path(target)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.path, "a" if append else "w", encoding="utf-8")
+            except OSError as exc:
+                raise TraceError(f"cannot write trace {self.path}: {exc.strerror}",
+                                 hint="choose a writable path with --trace") from exc
+            self._owns = True
+
+    def write(self, event: str, step: int | None = None, **fields: Any) -> None:
+        record = {"event": event, "step": step, **fields}
+        self._fh.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._owns and not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_trace(path: str | os.PathLike) -> tuple[list[dict], list[str]]:
+    """Return ``(events, problems)``: every parseable event, and one message per line that was not."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace file not found: {p}", hint="pass the file written by --trace or ampaudit.watch")
+    events: list[dict] = []
+    problems: list[str] = []
+    with open(p, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().split("\n")
+    last = len(lines) - 1
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            where = "last line truncated" if i == last else "corrupt line"
+            problems.append(f"{p.name}:{i + 1}: {where}, skipped")
+            continue
+        if not isinstance(obj, dict) or "event" not in obj:
+            problems.append(f"{p.name}:{i + 1}: not an event object, skipped")
+            continue
+        events.append(obj)
+    return events, problems

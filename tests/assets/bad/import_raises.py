@@ -1,0 +1,2 @@
+import torch
+raise RuntimeError("this file fails at import")

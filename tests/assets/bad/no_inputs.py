@@ -1,0 +1,2 @@
+import torch
+model = torch.nn.Linear(8, 8)

@@ -1,0 +1,115 @@
+"""The policy tables in rules/policy/ against autocast itself: CUDA simulated on fake tensors, CPU for real."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import ampaudit
+from ampaudit.analysis import AMP_KEY, AmpProp
+from ampaudit.capture import capture
+from ampaudit.policy import Policy
+
+from conftest import PLANTED, SAMPLES, load_module
+
+# op name in the tables -> how to call it on a [4, 8, 8, 8] tensor
+OPS = {
+    "matmul": lambda x: x @ x, "bmm": lambda x: torch.bmm(x[0], x[0]), "linear": lambda x: F.linear(x, x[0, 0]),
+    "conv2d": lambda x: F.conv2d(x, x), "softmax": lambda x: F.softmax(x, -1), "log_softmax": lambda x: F.log_softmax(x, -1),
+    "exp": torch.exp, "log": torch.log, "pow": lambda x: x.pow(2), "sum": lambda x: x.sum(-1), "cumsum": lambda x: x.cumsum(-1),
+    "prod": lambda x: x.prod(-1), "layer_norm": lambda x: F.layer_norm(x, (8,)), "group_norm": lambda x: F.group_norm(x, 2),
+    "mse_loss": lambda x: F.mse_loss(x, x), "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "relu": F.relu,
+    "gelu": F.gelu, "tanh": torch.tanh, "mean": lambda x: x.mean(-1), "var": lambda x: x.var(-1),
+    "softplus": F.softplus, "logsumexp": lambda x: x.logsumexp(-1), "l1_loss": lambda x: F.l1_loss(x, x),
+    "smooth_l1_loss": lambda x: F.smooth_l1_loss(x, x), "cosine_similarity": lambda x: F.cosine_similarity(x, x),
+    "binary_cross_entropy_with_logits": lambda x: F.binary_cross_entropy_with_logits(x, x.sigmoid()),
+    "kl_div": lambda x: F.kl_div(x, x, reduction="batchmean"), "sigmoid": torch.sigmoid, "expm1": torch.expm1,
+    "log1p": torch.log1p, "erfinv": torch.erfinv, "baddbmm": lambda x: torch.baddbmm(x[0], x[0], x[0]),
+    "addmm": lambda x: torch.addmm(x[0, 0], x[0, 0], x[0, 0]), "mm": lambda x: torch.mm(x[0, 0], x[0, 0]),
+    "norm": lambda x: torch.norm(x, dim=-1), "silu": F.silu, "cumprod": lambda x: x.cumprod(-1),
+}
+
+
+def expected(policy: Policy, op: str, input_dtype: torch.dtype) -> torch.dtype:
+    cat = policy.category(op)
+    if cat == "lower":
+        return policy.low
+    if cat in ("fp32", "fp32_output"):
+        return torch.float32
+    return input_dtype
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.float16])
+def test_cuda_table_matches_simulated_cuda_autocast(op, input_dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policy = Policy.load("cuda", "float16")
+    try:
+        with FakeTensorMode(), torch.no_grad():
+            torch.set_autocast_enabled("cuda", True)
+            torch.set_autocast_dtype("cuda", torch.float16)
+            try:
+                x = torch.rand(4, 8, 8, 8, device="cuda", dtype=input_dtype) + 0.5
+                got = OPS[op](x).dtype
+            finally:
+                torch.set_autocast_enabled("cuda", False)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"no fake CUDA kernel for {op}: {str(exc)[:80]}")
+    assert got == expected(policy, op, input_dtype), f"{op}: table says {policy.category(op)}, autocast gave {got}"
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cpu_table_matches_real_cpu_autocast(op, dtype):
+    policy = Policy.load("cpu", dtype)
+    x = (torch.rand(4, 8, 8, 8) + 0.5).to(policy.low)
+    try:
+        with torch.autocast("cpu", dtype=policy.low):
+            got = OPS[op](x).dtype
+    except RuntimeError as exc:
+        pytest.skip(f"no CPU {dtype} kernel for {op}: {str(exc)[:80]}")
+    assert got == expected(policy, op, policy.low), f"{op}: table says {policy.category(op)}, autocast gave {got}"
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph for real and records each node's output dtype."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.dtypes[n.name] = out.dtype
+        return out
+
+
+def _models():
+    out = []
+    for folder in (PLANTED, SAMPLES):
+        if folder.is_dir():
+            out += sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    return out
+
+
+@pytest.mark.parametrize("path", _models(), ids=lambda p: p.name)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_propagated_dtypes_match_real_cpu_autocast(path, dtype):
+    """Every node's predicted autocast dtype equals what CPU autocast really produces."""
+    m = load_module(path)
+    model = m.build_model().eval()
+    args = m.example_inputs()
+    args = args if isinstance(args, tuple) else (args,)
+    policy = Policy.load("cpu", dtype)
+    gm = capture(model).gm
+    AmpProp(gm, policy).propagate(*args)
+    rec = _Recorder(gm)
+    rec.dtypes = {}
+    try:
+        with torch.autocast("cpu", dtype=policy.low), torch.no_grad():
+            rec.run(*args)
+    except RuntimeError as exc:  # e.g. mask_fill_crash raises under fp16 autocast: compare what ran
+        assert "overflow" in str(exc) or dtype == "float16", exc
+    wrong = {name: (str(n.meta[AMP_KEY].dtype), str(got)) for n in gm.graph.nodes
+             for name, got in [(n.name, rec.dtypes.get(n.name))] if got is not None and AMP_KEY in n.meta
+             and n.meta[AMP_KEY].dtype != got}
+    assert not wrong, wrong

@@ -1,0 +1,151 @@
+"""Each rule fires on a model that should trigger it and stays silent on one that should not."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampaudit
+
+
+class Fn(nn.Module):
+    """Wraps a function of the input so each case is one line; `inner` owns the op."""
+
+    def __init__(self, fn, *mods):
+        super().__init__()
+        self.fn = fn
+        self.inner = nn.ModuleList(mods)
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+class Proj(nn.Module):
+    """Linear(16->16) then fn: puts the input in the low dtype, as real models do."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.proj(x))
+
+
+def hits(model, *inputs, device="cpu", dtype="float16", rule=None):
+    report = ampaudit.check(model, *inputs, device=device, dtype=dtype)
+    return [(f.rule, f.severity, f.module) for f in report.findings if rule is None or f.rule == rule]
+
+
+X16 = torch.randn(4, 16)
+
+CASES = [
+    # rule, should-fire model+inputs, should-not model+inputs, device, expected severity
+    ("AMP101", (nn.Linear(30, 64), torch.randn(4, 30)), (nn.Linear(32, 64), torch.randn(4, 32)), "cuda", "warning"),
+    ("AMP102", (nn.Conv2d(3, 64, 3), torch.randn(2, 3, 8, 8)), (nn.Conv2d(8, 64, 3), torch.randn(2, 8, 8, 8)), "cuda", "warning"),
+    ("AMP103", (nn.Embedding(1001, 64), torch.zeros(2, 5, dtype=torch.long)),
+     (nn.Embedding(1024, 64), torch.zeros(2, 5, dtype=torch.long)), "cuda", "warning"),
+    ("AMP104", (Fn(lambda s, x: x @ x.transpose(-1, -2)), torch.randn(4, 10, 30)),
+     (Fn(lambda s, x: x @ x.transpose(-1, -2)), torch.randn(4, 16, 32)), "cuda", "warning"),
+    ("AMP105", (nn.LSTM(16, 50, batch_first=True), torch.randn(2, 5, 16)),
+     (nn.LSTM(16, 64, batch_first=True), torch.randn(2, 5, 16)), "cuda", "warning"),
+    ("AMP201", (Proj(lambda h: F.softmax(h, -1)), X16), (Proj(lambda h: F.softmax(h.float(), -1)), X16), "cpu", "warning"),
+    ("AMP201", (Proj(lambda h: F.softmax(h, -1)), X16), (nn.Sequential(nn.Softmax(-1)), X16), "cuda", "info"),
+    ("AMP202", (Proj(lambda h: torch.exp(h)), X16), (Proj(lambda h: torch.exp(h.float())), X16), "cpu", "warning"),
+    ("AMP203", (Proj(lambda h: h.sum()), torch.randn(6000, 16)), (Proj(lambda h: h.float().sum()), torch.randn(6000, 16)), "cpu", "error"),
+    ("AMP203", (Proj(lambda h: h.var(-1)), X16), (Proj(lambda h: h.float().var(-1)), X16), "cuda", "warning"),
+    ("AMP204", (Proj(lambda h: F.cosine_similarity(h, h)), X16), (Proj(lambda h: F.mse_loss(h, h)), X16), "cpu", "warning"),
+    ("AMP205", (Proj(lambda h: F.binary_cross_entropy(torch.sigmoid(h), torch.zeros(4, 16))), X16),
+     (Proj(lambda h: F.binary_cross_entropy_with_logits(h, torch.zeros(4, 16))), X16), "cuda", "error"),
+    ("AMP301", (nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)), X16), (nn.Sequential(nn.LayerNorm(16)), X16), "cpu", "warning"),
+    ("AMP302", (Proj(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)), X16),
+     (Proj(lambda h: h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)), X16), "cpu", "warning"),
+    ("AMP401", (Proj(lambda h: h.masked_fill(h > 0, -1e9)), X16), (Proj(lambda h: h.masked_fill(h > 0, -1e4)), X16), "cuda", "error"),
+    ("AMP401", (Proj(lambda h: h + torch.finfo(torch.float32).min), X16), (Proj(lambda h: h + torch.finfo(torch.float16).min), X16), "cuda", "error"),
+    ("AMP402", (Proj(lambda h: h / (h.abs() + 1e-8)), X16), (Proj(lambda h: h / (h.abs() + 1e-3)), X16), "cuda", "warning"),
+    ("AMP403", (Proj(lambda h: h + 1e-6), X16), (Proj(lambda h: h + 1e-3), X16), "cuda", "info"),
+]
+
+
+@pytest.mark.parametrize("rule, fire, silent, device, severity", CASES,
+                         ids=[f"{c[0]}-{c[3]}-{i}" for i, c in enumerate(CASES)])
+def test_rule_fires_and_stays_silent(rule, fire, silent, device, severity):
+    got = hits(*fire, device=device, rule=rule)
+    assert got, f"{rule} did not fire"
+    assert got[0][1] == severity
+    assert hits(*silent, device=device, rule=rule) == [], f"{rule} fired on the clean variant"
+
+
+def test_alignment_multiple_is_16_for_fp8():
+    m, x = nn.Linear(24, 64), torch.randn(4, 24)
+    assert hits(m, x, device="cuda", dtype="float16", rule="AMP101") == []
+    assert hits(m, x, device="cuda", dtype="float8", rule="AMP101")
+
+
+def test_depthwise_conv_is_not_a_gemm():
+    assert hits(nn.Conv2d(30, 30, 3, groups=30), torch.randn(1, 30, 8, 8), device="cuda", rule="AMP102") == []
+
+
+def test_bf16_holds_small_eps_but_not_float32_min():
+    eps = Proj(lambda h: h / (h.abs() + 1e-8))
+    assert hits(eps, X16, device="cuda", dtype="bfloat16", rule="AMP402") == []
+    mask = Proj(lambda h: h + torch.finfo(torch.float32).min)
+    assert hits(mask, X16, device="cuda", dtype="bfloat16", rule="AMP401")
+
+
+def test_batchnorm_buffer_out_of_range_and_meta_model_silent():
+    bn = nn.Sequential(nn.Conv1d(8, 8, 1), nn.BatchNorm1d(8)).eval()
+    bn[1].running_var.fill_(1e6)
+    assert hits(bn, torch.randn(2, 8, 4), device="cuda", rule="AMP303") == [("AMP303", "warning", "1")]
+    assert hits(bn, torch.randn(2, 8, 4), device="cuda", dtype="bfloat16", rule="AMP303") == []
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Conv1d(8, 8, 1), nn.BatchNorm1d(8))
+    assert hits(meta, torch.randn(2, 8, 4), device="cuda", rule="AMP303") == []
+
+
+def test_module_is_the_one_whose_code_runs_the_op():
+    class Inner(nn.Module):
+        def forward(self, x):
+            return torch.exp(x)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.block = nn.Sequential(Inner())
+
+        def forward(self, x):
+            return self.block(self.fc(x)).sum()
+
+    found = hits(Outer(), X16, device="cpu")
+    assert ("AMP202", "warning", "block.0") in found
+    assert ("AMP203", "warning", "") in found
+
+
+@pytest.mark.parametrize("name, device, rule, module", [
+    ("mask_fill", "cpu", "AMP401", "attn"),
+    ("mask_fill_crash", "cpu", "AMP401", "attn"),
+    ("gelu_cube", "cpu", "AMP202", "mlp.act"),
+    ("cumsum_pool", "cpu", "AMP203", "pool"),
+    ("bn_running_var", "cuda", "AMP303", "bn"),
+])
+def test_planted_culprit_found(planted, name, device, rule, module):
+    m = planted(name)
+    report = ampaudit.check(m.build_model(), *m.example_inputs(), device=device)
+    assert any(f.rule == rule and f.module == module for f in report.findings), report.to_dict()["findings"]
+    assert set(m.EXPECT["families"]) & {f.family for f in report.findings}
+
+
+def test_planted_misaligned_dims(planted):
+    m = planted("misaligned_mlp")
+    report = ampaudit.check(m.build_model(), *m.example_inputs())
+    flagged = {(f.module, f.details["value"]) for f in report.findings if f.family == "alignment"}
+    for module, value in m.EXPECT["misaligned"].items():
+        assert (module, value) in flagged
+
+
+def test_tiny_grads_is_statically_clean(planted):
+    m = planted("tiny_grads")
+    report = ampaudit.check(m.build_model(), *m.example_inputs())
+    assert report.at_or_above("warning") == []
