@@ -113,3 +113,15 @@ def test_propagated_dtypes_match_real_cpu_autocast(path, dtype):
              for name, got in [(n.name, rec.dtypes.get(n.name))] if got is not None and AMP_KEY in n.meta
              and n.meta[AMP_KEY].dtype != got}
     assert not wrong, wrong
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_cuda_table_matches_real_cuda_autocast(op):
+    policy = Policy.load("cuda", "float16")
+    for input_dtype in (torch.float32, torch.float16):
+        x = torch.rand(4, 8, 8, 8, device="cuda", dtype=input_dtype) + 0.5
+        with torch.autocast("cuda", dtype=torch.float16):
+            got = OPS[op](x).dtype
+        assert got == expected(policy, op, input_dtype), f"{op} from {input_dtype}: autocast gave {got}"

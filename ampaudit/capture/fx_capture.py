@@ -9,6 +9,7 @@ A model fx cannot trace raises :class:`CaptureError` naming the user's line that
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -44,6 +45,7 @@ class SourceLoc:
         return {"file": self.file, "line": self.line}
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_user_file(filename: str) -> bool:
     if filename.startswith("<"):
         return False

@@ -1,0 +1,67 @@
+"""``ampaudit report TRACE``: a training run's mixed-precision health, in the terminal and as an HTML page.
+
+    ampaudit report run.jsonl                       # summary and recommendations
+    ampaudit report run.jsonl --html run.html       # plus one self-contained page with plots
+    ampaudit report run.jsonl --check findings.json # name the `ampaudit check` findings the run confirmed
+    ampaudit report run.jsonl --json                # the summary as JSON, for other tools
+
+Unreadable lines in the trace (a run killed mid-write) are reported and skipped; the exit code stays 0.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ampaudit.cli.app import app, cli_errors
+from ampaudit.errors import TraceError
+
+
+@app.command()
+@cli_errors
+def report(
+    trace: Annotated[Path, typer.Argument(help="Trace (JSON Lines) from `ampaudit train --trace` or ampaudit.watch.",
+                                          show_default=False)],
+    *,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", help="Also write a self-contained HTML page with plots to this path (needs the report extra).",
+        show_default=False)] = None,
+    check: Annotated[Optional[Path], typer.Option(
+        "--check", help="Findings from `ampaudit check --format json`: list those the run confirmed.",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of text.")] = False,
+    top: Annotated[int, typer.Option("--top", min=1, help="Modules shown per table.")] = 5,
+) -> None:
+    """Summarise a training trace: skipped steps, loss scale, first non-finite, divergence, headroom, advice."""
+    from ampaudit.report.trace_advice import load_findings
+    from ampaudit.report.trace_summary import collect, summarize
+    from ampaudit.runtime.trace import read_trace
+
+    if html is not None:  # fail before the work, not after it
+        from ampaudit.report.html import require_plotly
+        require_plotly()
+    findings = load_findings(check) if check is not None else None
+    events, problems = read_trace(trace)
+    hint = "pass the file written by --trace or ampaudit.watch"
+    if not events and not problems:
+        raise TraceError(f"trace {trace} holds no events", hint=hint)
+    if not events and len(problems) > 1:  # one bad line is a run killed at once; more is not a trace at all
+        raise TraceError(f"{trace} is not an ampaudit trace: none of its {len(problems)} lines is a JSON event",
+                         hint=hint)
+    data = collect(events)
+    summary = summarize(data, problems, top=top, findings=findings, trace=str(trace))
+
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, allow_nan=False))
+    else:
+        from rich.console import Console
+
+        from ampaudit.report.trace_console import render_summary
+        render_summary(summary, Console(highlight=False))
+    if html is not None:
+        from ampaudit.report.html import write_html
+        # The plots rank every module the trace has, not only the --top shown in the terminal.
+        written = write_html(html, data, problems, trace=str(trace), summary=summary)
+        typer.echo(f"wrote {written}", err=as_json)

@@ -1,0 +1,157 @@
+"""Print a trace summary (from :func:`ampaudit.report.trace_summary.summarize`) in the terminal with rich.
+
+    from rich.console import Console
+    from ampaudit.report.trace_console import render_summary
+    render_summary(summarize_trace("run.jsonl"), Console())
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ampaudit.report.trace_advice import THRESHOLDS
+from ampaudit.report.trace_summary import num
+
+SEVERITY_STYLE = {"error": ("x", "bold red"), "warning": ("!", "yellow"), "info": ("i", "cyan")}
+SHOW_SKIPPED = 12
+SHOW_PROBLEMS = 10
+
+
+def fmt(value: Any, spec: str = ".3g", none: str = "-") -> str:
+    """A summary number for people: ``None`` as ``-``, inf/NaN strings kept as they are."""
+    x = num(value)
+    if x is None:
+        return none
+    if x != x or x in (float("inf"), float("-inf")):
+        return str(value)
+    return format(x, spec)
+
+
+def _pow2(value: Any) -> str:
+    x = num(value)
+    return "-" if x is None else f"2^{x:g}" if float(x).is_integer() else f"2^{x:.2f}"
+
+
+def _run_lines(s: dict) -> list[tuple[str, str]]:
+    st, loss, scale, gn = s["steps"], s["loss"], s["scale"], s["grad_norm"]
+    if not st["count"]:
+        return [("steps", "no step events")]
+    skipped = st["skipped_steps"]
+    shown = ", ".join(str(x) for x in skipped[:SHOW_SKIPPED]) + (
+        f", ... (+{len(skipped) - SHOW_SKIPPED})" if len(skipped) > SHOW_SKIPPED else "")
+    lines = [("steps", f"{st['count']} ({st['first']}..{st['last']}), {st['skipped']} skipped "
+                       f"({fmt(st['skip_rate'], '.1%')})" + (f": {shown}" if skipped else ""))]
+    loss_text = f"{fmt(loss['first'])} -> {fmt(loss['last'])} (min {fmt(loss['min'])})"
+    if loss["nonfinite"]:
+        loss_text += f", [red]{loss['nonfinite']} non-finite[/]"
+    lines.append(("loss", loss_text))
+    if scale.get("used"):
+        lines.append(("loss scale", f"{_pow2(scale['min_log2'])} .. {_pow2(scale['max_log2'])} "
+                                    f"(start {_pow2(scale['initial_log2'])}, final {_pow2(scale['final_log2'])}); "
+                                    f"{scale['backoffs']} backoffs, {scale['growths']} growths"))
+    else:
+        lines.append(("loss scale", "none (no scaler in this run)"))
+    grad = f"median {fmt(gn['median'])}, max {fmt(gn['max'])}; {st['clipped']} clipped steps"
+    if gn["nonfinite"]:
+        grad += f"; {gn['nonfinite']} non-finite"
+    lines.append(("grad norm", grad))
+    if s["checkpoints"]:
+        lines.append(("checkpoints", f"{s['checkpoints']}, last {escape(str(s['last_checkpoint']))}"))
+    if s["halt"]:
+        lines.append(("halted", f"[red]at step {s['halt']['step']}: {escape(str(s['halt']['reason']))}[/]"))
+    return lines
+
+
+def _divergence_table(div: dict) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("module", "left"), ("max rel_l2", "right"), ("at step", "right"), ("last", "right"),
+                      ("min SQNR dB", "right"), (f"above {THRESHOLDS['high_rel_l2']:g} from", "right")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for r in div["top"]:
+        t.add_row(escape(r["module"] or "<top>"), fmt(r["max_rel_l2"]), str(r["max_step"] or "-"),
+                  fmt(r["last_rel_l2"]), fmt(r["min_sqnr_db"], ".1f"),
+                  f"step {r['drift_step']}" if r["drift_step"] is not None else "-")
+    return t
+
+
+def _headroom_table(hr: dict) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("module", "left"), ("forward bits", "right"), ("at step", "right"),
+                      ("backward bits", "right"), ("max |x|", "right"), ("inf/nan", "right"), ("> max", "right"),
+                      ("subnormal", "right")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for r in hr["top"]:
+        fwd = fmt(r["forward_bits"], ".2f")
+        low = num(r["forward_bits"]) is not None and num(r["forward_bits"]) < THRESHOLDS["low_headroom_bits"]
+        t.add_row(escape(r["module"] or "<top>"), f"[red]{fwd}[/]" if low else fwd,
+                  str(r["forward_step"] if r["forward_step"] is not None else "-"),
+                  fmt(r["backward_bits"], ".2f"), fmt(r["max_absmax"], ".4g"), f"{r['inf']}/{r['nan']}",
+                  str(r.get("overflow", 0)),
+                  fmt(r["subnormal_frac"], ".2%"))
+    return t
+
+
+def render_summary(summary: dict, console: Console | None = None) -> None:
+    """Print every section of the summary that has data; problems with the trace come first."""
+    c = console or Console()
+    meta = summary.get("meta") or {}
+    about = " / ".join(str(meta[k]) for k in ("source", "dtype", "device", "model") if meta.get(k))
+    c.print(f"[bold]ampaudit report[/] {escape(str(summary.get('trace') or ''))}"
+            + (f"  [dim]({escape(about)})[/]" if about else ""))
+    shown = summary["problems"][:SHOW_PROBLEMS]
+    for p in shown:
+        c.print(f"[yellow]trace problem:[/] {escape(p)}")
+    hidden = summary.get("problems_total", len(shown)) - len(shown)
+    if hidden > 0:
+        c.print(f"[yellow]trace problem:[/] ... and {hidden} more unreadable lines")
+    if summary.get("unknown_events"):
+        kinds = ", ".join(f"{k} x{n}" for k, n in summary["unknown_events"].items())
+        c.print(f"[dim]ignored unknown events: {escape(kinds)}[/]")
+
+    c.print()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for label, text in _run_lines(summary):
+        grid.add_row(label, text)
+    c.print(grid)
+
+    first = summary["first_nonfinite"]
+    c.print("\n[bold]First non-finite[/]")
+    if first:
+        where = f" at [bold]{escape(first['source'])}[/]" if first.get("source") else ""
+        module = first.get("module")
+        module = "?" if module is None else (module or "<top>")
+        c.print(f"  step {first['step']}: [red]{first.get('kind') or 'non-finite'}[/] in "
+                f"{first.get('phase') or '?'} of [bold]{escape(module)}[/] ({escape(first.get('op') or '?')}){where}"
+                + (f"; {summary['nonfinite']['count']} non-finite events in all"
+                   if summary["nonfinite"]["count"] > 1 else ""))
+    else:
+        c.print("  none recorded")
+
+    div = summary["divergence"]
+    if div["top"]:
+        c.print(f"\n[bold]Divergence vs FP32[/] ({div['scope']}, worst {len(div['top'])} of {div['modules']})")
+        c.print(_divergence_table(div))
+    hr = summary["headroom"]
+    if hr["top"]:
+        dtype = meta.get("dtype") or "dtype"
+        c.print(f"\n[bold]Headroom[/] (bits below the {escape(str(dtype))} max; least first, "
+                f"{len(hr['top'])} of {hr['modules']})")
+        c.print(_headroom_table(hr))
+
+    c.print("\n[bold]Recommendations[/]")
+    if not summary["recommendations"]:
+        c.print("  none: the run looks healthy" if summary["steps"]["count"] else "  none: the trace holds no steps")
+    for rec in summary["recommendations"]:
+        mark, style = SEVERITY_STYLE.get(rec["severity"], ("-", ""))
+        c.print(f"  [{style}]{mark}[/] {escape(rec['message'])}")
+        if rec.get("code"):
+            c.print(f"      [green]{escape(rec['code'])}[/]")
+        for f in rec.get("findings", [])[:10]:
+            c.print(f"      {escape(str(f['rule']))} {escape(f['module'] or '<top>')}: "
+                    f"{escape(str(f['message']))} [dim](run: {escape(f['evidence'])})[/]")

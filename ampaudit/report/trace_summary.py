@@ -1,0 +1,357 @@
+"""A trace's mixed-precision health as one plain dict: steps, skips, loss scale, first non-finite, divergence,
+headroom, recommendations.
+
+    from ampaudit.report.trace_summary import summarize_trace
+    summary = summarize_trace("run.jsonl", top=5)
+    summary["scale"]["min_log2"], summary["first_nonfinite"]["module"], summary["recommendations"][0]["message"]
+
+``collect(events)`` groups the raw events into a :class:`TraceData` (what the HTML page plots); ``summarize`` turns
+that into the dict (what the terminal prints and ``--json`` emits). Both are tolerant: unknown events and fields are
+ignored, missing or malformed fields become ``None``, never an exception. Non-finite floats in the dict are written
+as the strings ``"inf"``/``"-inf"``/``"nan"`` (as the trace itself does) so it is always valid JSON.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ampaudit.runtime.trace import read_trace
+
+SUMMARY_VERSION = 1
+
+# A divergence scope ranks modules by the error they add themselves ("local") before the error they carry from
+# upstream ("global"); "grad" compares parameter gradients and is ranked on its own.
+SCOPE_PREFERENCE = ("local", "global")
+# A binary file read as a trace has a problem per line; the summary keeps the first ones and the count.
+MAX_PROBLEMS = 50
+
+
+def num(value: Any) -> float | None:
+    """A trace field as a float: numbers, and the strings "inf"/"-inf"/"nan" the writer uses; else ``None``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.strip().lower() in ("inf", "-inf", "+inf", "nan", "infinity", "-infinity"):
+        return float(value.strip().lower())
+    return None
+
+
+def finite(value: Any) -> float | None:
+    """Like :func:`num`, but ``None`` for inf/NaN."""
+    x = num(value)
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _log2(x: float | None) -> float | None:
+    return math.log2(x) if x is not None and x > 0 and math.isfinite(x) else None
+
+
+@dataclass
+class StepRow:
+    """One ``step`` event, normalised."""
+
+    step: int
+    loss: float | None
+    scale: float | None
+    skipped: bool
+    grad_norm: float | None
+    clipped: bool
+    lr: float | None
+    time: float | None
+
+
+@dataclass
+class TraceData:
+    """The events of one trace grouped by kind, with fields normalised. Build with :func:`collect`."""
+
+    meta: dict = field(default_factory=dict)
+    steps: list[StepRow] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    nonfinite: list[dict] = field(default_factory=list)
+    divergence: list[dict] = field(default_factory=list)
+    skips: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)
+    halts: list[dict] = field(default_factory=list)
+    unknown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """Steps skipped by the loss scaler, from ``step`` rows and ``skip`` events, sorted."""
+        found = {r.step for r in self.steps if r.skipped}
+        found.update(s["step"] for s in self.skips if s["step"] is not None)
+        return sorted(found)
+
+    def divergence_scope(self) -> str | None:
+        """The scope modules are ranked by: local, else global, else any non-grad scope present."""
+        scopes = {d["scope"] for d in self.divergence if d["scope"] != "grad"}
+        for scope in SCOPE_PREFERENCE:
+            if scope in scopes:
+                return scope
+        return sorted(s for s in scopes if s)[0] if any(scopes) else None
+
+
+def _as_step(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def collect(events: Iterable[dict]) -> TraceData:
+    """Group events by kind. A step event without a step number gets the previous one plus one."""
+    data = TraceData()
+    last_step = 0
+    for ev in events:
+        if not isinstance(ev, dict):
+            continue
+        kind = ev.get("event")
+        step = _as_step(ev.get("step"))
+        if kind == "meta":
+            if not data.meta:
+                data.meta = {k: v for k, v in ev.items() if k not in ("event", "step")}
+        elif kind == "step":
+            step = step if step is not None else last_step + 1
+            last_step = step
+            scale = finite(ev.get("scale"))
+            data.steps.append(StepRow(
+                step=step, loss=num(ev.get("loss")), scale=scale if scale and scale > 0 else None,
+                skipped=ev.get("skipped") is True, grad_norm=num(ev.get("grad_norm")),
+                clipped=ev.get("clipped") is True, lr=finite(ev.get("lr")), time=finite(ev.get("time"))))
+        elif kind == "stats":
+            numel = finite(ev.get("numel"))
+            data.stats.append({
+                "step": step, "module": _text(ev.get("module")) or "", "phase": _text(ev.get("phase")) or "forward",
+                "absmax": num(ev.get("absmax")), "headroom_bits": num(ev.get("headroom_bits")),
+                "inf": finite(ev.get("inf")) or 0.0, "nan": finite(ev.get("nan")) or 0.0,
+                # finite values above the dtype's max (an fp32 tensor that would not fit), and passes whose
+                # output held inf/NaN (counted even on passes without full counts)
+                "overflow": finite(ev.get("overflow")) or 0.0,
+                "nonfinite_passes": finite(ev.get("nonfinite_passes")) or 0.0,
+                "subnormal_frac": (finite(ev.get("subnormal")) or 0.0) / numel if numel else None,
+                "zeros_frac": (finite(ev.get("zeros")) or 0.0) / numel if numel else None})
+        elif kind == "nonfinite":
+            data.nonfinite.append({
+                "step": step, "phase": _text(ev.get("phase")), "module": _text(ev.get("module")),
+                "op": _text(ev.get("op")), "source": _text(ev.get("source")), "kind": _text(ev.get("kind"))})
+        elif kind == "divergence":
+            data.divergence.append({
+                "step": step, "module": _text(ev.get("module")) or "", "scope": _text(ev.get("scope")) or "global",
+                "param": _text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
+                "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db"))})
+        elif kind == "skip":
+            mods = ev.get("modules")
+            params = ev.get("params")
+            data.skips.append({
+                "step": step, "scale": finite(ev.get("scale")),
+                "modules": [m for m in mods if isinstance(m, str)] if isinstance(mods, list) else [],
+                "params": [p for p in params if isinstance(p, str)] if isinstance(params, list) else []})
+        elif kind == "checkpoint":
+            data.checkpoints.append({"step": step, "path": _text(ev.get("path"))})
+        elif kind == "halt":
+            diag = ev.get("diagnosis")
+            data.halts.append({"step": step, "reason": _text(ev.get("reason")),
+                               "diagnosis": diag if isinstance(diag, dict) else None})
+        else:
+            name = str(kind)
+            data.unknown[name] = data.unknown.get(name, 0) + 1
+    return data
+
+
+def _steps_summary(data: TraceData) -> dict:
+    rows = data.steps
+    skipped = data.skipped_steps
+    losses = [r.loss for r in rows if r.loss is not None]
+    finite_losses = [x for x in losses if math.isfinite(x)]
+    norms = [r.grad_norm for r in rows if r.grad_norm is not None]
+    finite_norms = [x for x in norms if math.isfinite(x)]
+    times = [r.time for r in rows if r.time is not None]
+    return {
+        "steps": {
+            "count": len(rows),
+            "first": rows[0].step if rows else None,
+            "last": rows[-1].step if rows else None,
+            "skipped": len(skipped),
+            "skipped_steps": skipped,
+            "skip_rate": len(skipped) / len(rows) if rows else None,
+            "clipped": sum(r.clipped for r in rows),
+            "mean_time": statistics.fmean(times) if times else None,
+        },
+        "loss": {
+            "first": finite_losses[0] if finite_losses else None,
+            "last": finite_losses[-1] if finite_losses else None,
+            "min": min(finite_losses) if finite_losses else None,
+            "nonfinite": len(losses) - len(finite_losses),
+        },
+        "grad_norm": {
+            "median": statistics.median(finite_norms) if finite_norms else None,
+            "max": max(finite_norms) if finite_norms else None,
+            "nonfinite": len(norms) - len(finite_norms),
+        },
+    }
+
+
+def _scale_summary(data: TraceData) -> dict:
+    scales = [(r.step, r.scale) for r in data.steps if r.scale is not None]
+    if not scales:
+        return {"used": False}
+    values = [s for _, s in scales]
+    backoffs = sum(1 for a, b in zip(values, values[1:]) if b < a)
+    growths = sum(1 for a, b in zip(values, values[1:]) if b > a)
+    lo, hi = min(values), max(values)
+    return {
+        "used": True, "initial": values[0], "final": values[-1], "min": lo, "max": hi,
+        "initial_log2": _log2(values[0]), "final_log2": _log2(values[-1]),
+        "min_log2": _log2(lo), "max_log2": _log2(hi),
+        "min_step": next(st for st, s in scales if s == lo),
+        "backoffs": backoffs, "growths": growths,
+    }
+
+
+def _nonfinite_summary(data: TraceData) -> tuple[dict | None, dict]:
+    events = [e for e in data.nonfinite]
+    first = None
+    if events:
+        # Events arrive in order; a step number, when present, decides ties between producers.
+        first = min(enumerate(events), key=lambda ie: (ie[1]["step"] if ie[1]["step"] is not None else math.inf,
+                                                       ie[0]))[1]
+    by_module: dict[str, int] = {}
+    for e in events:
+        key = e["module"] if e["module"] is not None else "?"
+        by_module[key] = by_module.get(key, 0) + 1
+    skip_modules: dict[str, int] = {}
+    for s in data.skips:
+        for m in s["modules"]:
+            skip_modules[m] = skip_modules.get(m, 0) + 1
+    return (dict(first) if first else None,
+            {"count": len(events), "by_module": dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
+             "skip_modules": dict(sorted(skip_modules.items(), key=lambda kv: -kv[1]))})
+
+
+def _worst_first(row: dict) -> tuple[int, float]:
+    # NaN is the worst a comparison can get; rows without any rel_l2 go last.
+    v = row["max_rel_l2"]
+    if v is None:
+        return (2, 0.0)
+    return (0, 0.0) if math.isnan(v) else (1, -v)
+
+
+def divergence_table(data: TraceData, threshold: float) -> dict[str, list[dict]]:
+    """Per scope, one row per module (per parameter for "grad"): worst/last rel_l2, when it first passed
+    ``threshold``, lowest cosine and SQNR; rows sorted worst first."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for d in data.divergence:
+        key = (d["param"] or d["module"]) if d["scope"] == "grad" else d["module"]
+        groups.setdefault((d["scope"], key), []).append(d)
+    tables: dict[str, list[dict]] = {}
+    for (scope, _key), rows in groups.items():
+        rel = [(r["step"], r["rel_l2"]) for r in rows if r["rel_l2"] is not None]
+        worst = max(rel, key=lambda sr: sr[1] if not math.isnan(sr[1]) else math.inf, default=(None, None))
+        cos = [r["cosine"] for r in rows if r["cosine"] is not None and not math.isnan(r["cosine"])]
+        sqnr = [r["sqnr_db"] for r in rows if r["sqnr_db"] is not None and not math.isnan(r["sqnr_db"])]
+        drift = next((st for st, v in rel if not (v < threshold)), None)  # NaN counts as drifted
+        tables.setdefault(scope, []).append({
+            "module": rows[0]["module"], "param": rows[0]["param"], "scope": scope, "samples": len(rows),
+            "max_rel_l2": worst[1], "max_step": worst[0],
+            "first_rel_l2": rel[0][1] if rel else None, "last_rel_l2": rel[-1][1] if rel else None,
+            "min_cosine": min(cos) if cos else None, "min_sqnr_db": min(sqnr) if sqnr else None,
+            "drift_step": drift})
+    for rows in tables.values():
+        rows.sort(key=_worst_first)
+    return tables
+
+
+def headroom_table(data: TraceData) -> list[dict]:
+    """One row per module: the least headroom (bits below the dtype's max) seen per phase and when; inf, NaN and
+    above-max counts; passes with non-finite output; the largest subnormal fraction. Least headroom (forward
+    first) first."""
+    rows: dict[str, dict] = {}
+    for s in data.stats:
+        row = rows.setdefault(s["module"], {
+            "module": s["module"], "forward_bits": None, "forward_step": None, "backward_bits": None,
+            "backward_step": None, "max_absmax": None, "inf": 0.0, "nan": 0.0, "overflow": 0.0,
+            "nonfinite_passes": 0.0, "subnormal_frac": None, "samples": 0})
+        row["samples"] += 1
+        for key in ("inf", "nan", "overflow", "nonfinite_passes"):
+            row[key] += s[key]
+        if s["subnormal_frac"] is not None:
+            row["subnormal_frac"] = max(row["subnormal_frac"] or 0.0, s["subnormal_frac"])
+        if s["absmax"] is not None and not math.isnan(s["absmax"]):
+            row["max_absmax"] = s["absmax"] if row["max_absmax"] is None else max(row["max_absmax"], s["absmax"])
+        bits = s["headroom_bits"]
+        phase = "backward" if s["phase"] == "backward" else "forward"
+        if bits is not None and not math.isnan(bits):
+            if row[f"{phase}_bits"] is None or bits < row[f"{phase}_bits"]:
+                row[f"{phase}_bits"], row[f"{phase}_step"] = bits, s["step"]
+    for row in rows.values():
+        for key in ("inf", "nan", "overflow", "nonfinite_passes"):
+            row[key] = int(row[key])
+    return sorted(rows.values(), key=lambda r: (
+        r["forward_bits"] if r["forward_bits"] is not None else math.inf,
+        r["backward_bits"] if r["backward_bits"] is not None else math.inf))
+
+
+def jsonable(value: Any) -> Any:
+    """The value with inf/NaN floats as strings, tuples as lists: safe for ``json.dumps(allow_nan=False)``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), *, top: int = 5,
+              findings: list[dict] | None = None, trace: str | None = None) -> dict:
+    """The summary dict of a run. ``findings`` (from ``ampaudit check --format json``) lets the
+    recommendations name the check findings the run confirmed. ``top`` bounds the module tables."""
+    from ampaudit.report.trace_advice import THRESHOLDS, recommend  # advice reads the summary built here
+
+    data = events if isinstance(events, TraceData) else collect(events)
+    problems = list(problems)
+    top = max(1, int(top))
+    first_nonfinite, nonfinite = _nonfinite_summary(data)
+    scope = data.divergence_scope()
+    tables = divergence_table(data, THRESHOLDS["high_rel_l2"])
+    headroom = headroom_table(data)
+    summary: dict[str, Any] = {
+        "version": SUMMARY_VERSION,
+        "trace": trace,
+        "meta": data.meta,
+        "problems": problems[:MAX_PROBLEMS],
+        "problems_total": len(problems),
+        **_steps_summary(data),
+        "scale": _scale_summary(data),
+        "first_nonfinite": first_nonfinite,
+        "nonfinite": nonfinite,
+        "divergence": {"scope": scope, "modules": len(tables.get(scope, [])) if scope else 0,
+                       "top": tables.get(scope, [])[:top] if scope else [],
+                       "grad_top": tables.get("grad", [])[:top]},
+        "headroom": {"modules": len(headroom), "top": headroom[:top]},
+        "checkpoints": len(data.checkpoints),
+        "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
+        "halt": data.halts[-1] if data.halts else None,
+        "unknown_events": data.unknown,
+    }
+    # Advice looks at every module, not only the top rows shown.
+    summary["recommendations"] = recommend(summary, data, all_divergence=tables.get(scope, []) if scope else [],
+                                           all_headroom=headroom, findings=findings)
+    return jsonable(summary)
+
+
+def summarize_trace(path: str | os.PathLike, *, top: int = 5, findings: list[dict] | None = None) -> dict:
+    """Read a trace file and summarise it; unreadable lines end up in ``summary["problems"]``.
+    Raises :class:`~ampaudit.errors.TraceError` when the file does not exist."""
+    events, problems = read_trace(path)
+    return summarize(events, problems, top=top, findings=findings, trace=str(path))
