@@ -8,13 +8,14 @@ never read, so a meta-device model works), runs the rules and returns a :class:`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AmpProp
-from ampaudit.capture.fx_capture import capture
+from ampaudit.capture.fx_capture import Capture, capture
 from ampaudit.errors import UsageError
 from ampaudit.findings import Report
 from ampaudit.policy import Policy, settings
@@ -23,11 +24,32 @@ from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
 
 
+@dataclass
+class Audit:
+    """Everything one audit produced: the captured graph (nodes carry ``meta["amp"]``), the policy, the report.
+
+    ``fix`` starts from here: each finding's ``node`` names the graph node it was found on.
+    """
+
+    capture: Capture
+    policy: Policy
+    report: Report
+
+
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           **kwargs) -> Report:
     """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target."""
+    return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
+                 target=target, base_dir=base_dir, **kwargs).report
+
+
+def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
+          select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
+          rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
+          **kwargs) -> Audit:
+    """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
     policy = Policy.load(device, dtype)
@@ -50,4 +72,4 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
-    return report
+    return Audit(capture=cap, policy=policy, report=report)

@@ -3,10 +3,13 @@
     python bench/check_scale.py                 # the 80-layer Llama-3-70B shape (seq 2048)
     python bench/check_scale.py --smoke         # a 4-layer, 1024-wide config: a few seconds
     python bench/check_scale.py --layers 8 --hidden 2048 --ffn 7168 --vocab 32000 --json out.json
+    python bench/check_scale.py --repeat 3      # median of three children per row (shared machines are noisy)
 
 Each measurement runs in a fresh child process, so the peak RSS it reports (``ru_maxrss`` of the child) belongs
 to that measurement alone; every child pays for ``import torch`` and for building the model on meta, and the
-``build`` row shows that floor on its own. Wall time excludes the build (reported separately).
+``build`` row shows that floor on its own. Wall time excludes the build (reported separately). The first
+build in a process pays about a second of one-time torch start-up (meta-tensor initialisers import
+torch._dynamo), so build times mostly measure that.
 
   build  build the model on meta (the floor every row includes)
   trace  torch.fx.symbolic_trace(model)                                   (the baseline)
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -97,6 +101,21 @@ def measure(mode: str, shape: dict, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def measure_repeated(mode: str, shape: dict, timeout: float, repeat: int) -> dict:
+    """``repeat`` fresh children: the median wall and build times, the largest peak RSS (noise on a shared
+    machine mostly lengthens single runs)."""
+    runs = [measure(mode, shape, timeout) for _ in range(max(1, repeat))]
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    merged = dict(runs[0], runs=len(runs), wall_all_s=[r["wall_s"] for r in runs])
+    for key in ("wall_s", "build_s"):
+        if all(key in r for r in runs):
+            merged[key] = statistics.median(r[key] for r in runs)
+    merged["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+    return merged
+
+
 def verdicts(rows: dict) -> list[tuple[str, float | None, float, str, str]]:
     """(target, measured, limit, unit, PASS|FAIL) for each target; measured is None when check did not run."""
     check, trace = rows.get("check", {}), rows.get("trace", {})
@@ -117,12 +136,18 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def human_count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def render(shape: dict, rows: dict) -> str:
     trace, check = rows.get("trace", {}), rows.get("check", {})
     params = next((r["params"] for r in rows.values() if "params" in r), None)
     lines = [f"model: Llama layers={shape['layers']} hidden={shape['hidden']} heads={shape['heads']}/"
              f"{shape['kv_heads']} ffn={shape['ffn']} vocab={shape['vocab']} "
-             f"params={fmt(params and params / 1e9, '.2f')}B on meta; input ({shape['batch']}, {shape['seq']})",
+             f"params={human_count(params)} on meta; input ({shape['batch']}, {shape['seq']})",
              "",
              f"{'':16}{'bare trace':>14}{'check':>14}{'check/trace':>14}",
              ]
@@ -139,9 +164,15 @@ def render(shape: dict, rows: dict) -> str:
                      f"child that only imports torch and builds the model")
     if "nodes" in trace:
         lines.append(f"fx graph: {trace['nodes']} nodes")
+    for mode in ("trace", "check"):
+        if rows.get(mode, {}).get("runs", 1) > 1:
+            walls = ", ".join(f"{w:.3f}" for w in rows[mode]["wall_all_s"])
+            lines.append(f"{mode} wall over {rows[mode]['runs']} runs (median shown): {walls}")
     for mode in MODES:
         if "error" in rows.get(mode, {}):
             lines.append(f"{mode}: {rows[mode]['error']}")
+    if "check" not in rows:
+        return "\n".join(lines + ["", "targets: not judged (the check row was not run)"])
     lines += ["", "targets:"]
     for name, value, limit, unit, verdict in verdicts(rows):
         lines.append(f"  {name:18} {fmt(value, '.2f'):>10} {unit:4} < {limit:g} {unit:4} {verdict}")
@@ -156,6 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, dest=key,
                             help=f"default {FULL[key]} (smoke {SMOKE[key]})")
     parser.add_argument("--only", choices=MODES, action="append", help="run only these measurements")
+    parser.add_argument("--repeat", type=int, default=1, help="children per measurement; median wall (default 1)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child (default 300)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows and verdicts here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -169,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, shape)), flush=True)
         return 0
-    rows = {mode: measure(mode, shape, args.timeout) for mode in (args.only or MODES)}
+    rows = {mode: measure_repeated(mode, shape, args.timeout, args.repeat) for mode in (args.only or MODES)}
     print(render(shape, rows))
-    results = verdicts(rows)
+    results = verdicts(rows) if "check" in rows else []
     if args.json:
         payload = {"shape": shape, "rows": rows,
                    "targets": [dict(zip(("target", "value", "limit", "unit", "verdict"), r)) for r in results]}

@@ -52,7 +52,7 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     return Finding(rule=rule.id, name=rule.name, family=rule.family, severity=hit.severity or rule.severity,
                    module=module, op=op, message=message, fix=fix, why=" ".join(rule.why.split()),
                    location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
-                   code=src.code if src else "")
+                   code=src.code if src else "", node=node.name if node is not None else None)
 
 
 def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]:
