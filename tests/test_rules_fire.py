@@ -149,3 +149,13 @@ def test_tiny_grads_is_statically_clean(planted):
     m = planted("tiny_grads")
     report = ampaudit.check(m.build_model(), *m.example_inputs())
     assert report.at_or_above("warning") == []
+
+
+def test_einsum_and_addmm_dims():
+    fire = Fn(lambda s, x: torch.einsum("bik,bkj->bij", x, x.transpose(-1, -2)))
+    found = [f for f in ampaudit.check(fire, torch.randn(2, 16, 30), device="cuda").findings if f.rule == "AMP104"]
+    assert [f.details["value"] for f in found] == [30]
+    clean = Fn(lambda s, x: torch.einsum("bik,bkj->bij", x, x.transpose(-1, -2)))
+    assert not [f for f in ampaudit.check(clean, torch.randn(2, 16, 32), device="cuda").findings if f.rule == "AMP104"]
+    addmm = Fn(lambda s, x: torch.addmm(x[:, :1], x, x.t()))
+    assert hits(addmm, torch.randn(12, 16), device="cuda", rule="AMP104")

@@ -1,6 +1,7 @@
 """``ampaudit check``: the static audit, from a model file to a table, JSON or SARIF report."""
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -66,11 +67,12 @@ def check(
 
     if fmt == "table":
         if output:
-            console = Console(record=True, width=120, file=open("/dev/null", "w") if sys.platform != "win32" else None)
+            console = Console(record=True, width=120, file=io.StringIO())
             _render(report, console, why)
             _write(output, console.export_text())
         else:
-            _render(report, Console(), why)
+            # Piped output gets 120 columns rather than rich's 80, so messages are not folded into slivers.
+            _render(report, Console() if sys.stdout.isatty() else Console(width=120), why)
     else:
         if fmt == "json":
             text = json.dumps(report.to_dict(), indent=2)

@@ -103,14 +103,39 @@ def _last2(shape) -> tuple[int, int] | None:
     return shape[-2], shape[-1]
 
 
+_MATMUL_OPS = ("matmul", "bmm", "mm", "baddbmm", "addmm", "addbmm", "scaled_dot_product_attention", "einsum")
+
+
+def _einsum_hits(ctx: MatchContext, node: fx.Node) -> Iterator[Hit]:
+    """einsum("bik,bkj->bij", a, b): K is the contracted index, M and N the free indices of each operand."""
+    info = node.meta[AMP_KEY]
+    eq = node.args[0] if node.args and isinstance(node.args[0], str) else None
+    if eq is None or "->" not in eq or "." in eq:
+        return
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    shapes = [s for s in info.input_shapes if s is not None]
+    if len(terms) != 2 or len(shapes) != 2 or any(len(t) != len(s) for t, s in zip(terms, shapes)):
+        return
+    size = {c: d for t, s in zip(terms, shapes) for c, d in zip(t, s)}
+    a, b = terms
+    roles = [("K", c) for c in a if c in b and c not in out] + [("M", c) for c in a if c not in b and c in out] \
+        + [("N", c) for c in b if c not in a and c in out]
+    dims = [(f"{role} ({c})", size[c], role) for role, c in roles]
+    yield from _hits(node, "einsum", f"'{eq}' {tuple(shapes[0])}, {tuple(shapes[1])}", dims, _multiple(ctx, node))
+
+
 @matcher("matmul_dims", fields=FIELDS)
 def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
-        if info.op not in ("matmul", "bmm", "mm", "baddbmm", "scaled_dot_product_attention") or not _runs_low(ctx, node):
+        if info.op not in _MATMUL_OPS or not _runs_low(ctx, node):
+            continue
+        if info.op == "einsum":
+            yield from _einsum_hits(ctx, node)
             continue
         shapes = info.input_shapes
-        if info.op == "baddbmm":
+        if info.op in ("baddbmm", "addmm", "addbmm"):
             shapes = shapes[1:]
         if len(shapes) < 2:
             continue
