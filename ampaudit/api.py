@@ -15,7 +15,7 @@ from typing import Sequence
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AmpProp
-from ampaudit.capture.fx_capture import Capture, capture
+from ampaudit.capture import Capture, capture_any
 from ampaudit.errors import UsageError
 from ampaudit.findings import Report
 from ampaudit.policy import Policy, settings
@@ -39,16 +39,16 @@ class Audit:
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
-          **kwargs) -> Report:
+          capture_mode: str = "auto", **kwargs) -> Report:
     """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target."""
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
-                 target=target, base_dir=base_dir, **kwargs).report
+                 target=target, base_dir=base_dir, capture_mode=capture_mode, **kwargs).report
 
 
 def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
-          **kwargs) -> Audit:
+          capture_mode: str = "auto", **kwargs) -> Audit:
     """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
@@ -58,9 +58,10 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     validate_selectors(rules, list(ignore or []), "--ignore")
     active = [r for r in rules if rule_selected(r, list(select or []), list(ignore or []))]
 
-    cap = capture(model)
+    cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
     prop = AmpProp(cap.gm, policy)
-    prop.propagate(*args, **kwargs)
+    g_args, g_kwargs = cap.graph_inputs(args, kwargs)
+    prop.propagate(*g_args, **g_kwargs)
     ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, settings=settings())
     findings, suppressed = run_rules(ctx, active)
     if base_dir is not None:
@@ -68,6 +69,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
             relative_location(f, Path(base_dir))
     report = Report(target=target or type(model).__name__, capture=cap.mode, policy=policy.describe(),
                     findings=findings, suppressed=suppressed, nodes=len(cap.gm.graph.nodes))
+    report.notes.extend(f"{cap.mode} capture used; {note}" for note in cap.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "

@@ -165,7 +165,6 @@ def test_malformed_rule_file_names_file_and_key(tmp_path, misaligned, body, word
     ("no_model.py", "--entry"),
     ("factory_raises.py", "raised ValueError"),
     ("inputs_mismatch.py", "do not fit"),
-    ("untraceable.py", "untraceable.py:11"),
 ])
 def test_bad_inputs_one_line_exit_2(name, words):
     r = run("check", str(ASSETS / "bad" / name))
@@ -203,3 +202,15 @@ def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ampaudit", "check", str(PLANTED / "misaligned_mlp.py"), "-f", "json"],
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 1 and json.loads(r.stdout)["findings"]
+
+
+def test_untraceable_model_falls_back_and_fx_only_names_the_line():
+    path = str(ASSETS / "bad" / "untraceable.py")
+    r = run("check", path, "-f", "json", "--fail-on", "never")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["capture"] == "dispatch" and any("fx" in n for n in doc["notes"])
+    r = run("check", path, "--capture", "fx")
+    assert r.exit_code == 2 and "untraceable.py:11" in r.output
+    r = run("check", path, "--capture", "bogus")
+    assert r.exit_code == 2 and "unknown capture mode" in r.output

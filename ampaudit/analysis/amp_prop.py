@@ -58,7 +58,8 @@ def canonical_op(node: fx.Node, root: torch.nn.Module) -> tuple[str, str | None]
         cls = type(root.get_submodule(node.target)).__name__
         return names["modules"].get(cls, cls.lower()), cls
     if node.op == "call_function":
-        raw = getattr(node.target, "__name__", str(node.target))
+        # aten OpOverloads (export and dispatch captures) are named by their packet: aten.softmax.int -> softmax
+        raw = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", str(node.target))
     elif node.op == "call_method":
         raw = str(node.target)
     else:
@@ -212,6 +213,8 @@ class AmpProp(fx.Interpreter):
             is_cast = n.op == "call_method" and (n.target in _CAST_TARGETS or n.target in ("to", "type", "type_as"))
             out = explicit
             compute = (_promote(tensor_in) or explicit) if is_cast else explicit
+        elif info.op in op_names()["follows_first_input"]["ops"] and tensor_in and n.op != "call_module":
+            out = compute = tensor_in[0][0]
         else:  # promote, banned, or unlisted: torch's type promotion of the tensor inputs
             compute = _promote(tensor_in)
             if compute is None:
@@ -228,7 +231,8 @@ class AmpProp(fx.Interpreter):
     def _explicit_dtype(self, n: fx.Node) -> torch.dtype | None:
         if n.op == "call_method" and n.target in _CAST_TARGETS:
             return _CAST_TARGETS[n.target]
-        if n.op == "call_method" and n.target in ("to", "type", "type_as"):
+        if n.op == "call_method" and n.target in ("to", "type", "type_as") or n.op == "call_function" and getattr(
+                n.target, "_opname", None) in ("to", "_to_copy", "type_as"):
             for a in list(n.args[1:]) + list(n.kwargs.values()):
                 if isinstance(a, torch.dtype):
                     return a

@@ -1,4 +1,48 @@
-"""Model -> graph. :func:`capture` traces with torch.fx and records, per node, the owning module and user source line."""
-from ampaudit.capture.fx_capture import Capture, SourceLoc, capture
+"""Model -> graph, by the first capture that works: torch.fx, then torch.export, then dispatch-level recording.
 
-__all__ = ["Capture", "SourceLoc", "capture"]
+    cap = capture_any(model, args, kwargs)          # cap.mode in {"fx", "export", "dispatch"}; cap.notes say why
+    cap = capture_any(model, args, kwargs, mode="export")
+
+Every capture writes the same node meta (module path, user source line), so the analysis and rules never care
+which one ran. Only fx and export graphs can be rewritten by ``fix``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ampaudit.capture.dispatch_capture import capture_dispatch
+from ampaudit.capture.export_capture import capture_export
+from ampaudit.capture.fx_capture import Capture, SourceLoc, capture
+from ampaudit.errors import CaptureError, UsageError
+
+MODES = ("auto", "fx", "export", "dispatch")
+
+__all__ = ["Capture", "SourceLoc", "capture", "capture_any", "capture_export", "capture_dispatch", "MODES"]
+
+
+def capture_any(model: nn.Module, args: tuple, kwargs: dict, *, mode: str = "auto",
+                autocast_dtype: torch.dtype | None = None) -> Capture:
+    """Capture ``model`` with ``mode``, or (``auto``) with the first of fx, export, dispatch that succeeds."""
+    if mode not in MODES:
+        raise UsageError(f"unknown capture mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
+    attempts = {
+        "fx": lambda: capture(model),
+        "export": lambda: capture_export(model, args, kwargs, autocast_dtype=autocast_dtype),
+        "dispatch": lambda: capture_dispatch(model, args, kwargs, autocast_dtype=autocast_dtype),
+    }
+    order = list(attempts) if mode == "auto" else [mode]
+    notes: list[str] = []
+    for name in order:
+        try:
+            cap = attempts[name]()
+        except CaptureError as exc:
+            if mode != "auto" or name == order[-1]:
+                if notes:
+                    exc.message = exc.message + " (after: " + "; ".join(notes) + ")"
+                raise
+            notes.append(f"{name}: {exc.message}")
+            continue
+        cap.notes = notes + cap.notes
+        return cap
+    raise AssertionError("unreachable")

@@ -14,12 +14,13 @@ import linecache
 import os
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import CaptureError
 
@@ -109,6 +110,16 @@ class Capture:
     gm: fx.GraphModule
     mode: str
     root: nn.Module
+    notes: list = field(default_factory=list)   # why earlier capture modes failed
+
+    def graph_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The model's inputs as this graph's placeholders take them (export and dispatch graphs take them flat)."""
+        if self.mode == "fx":
+            return tuple(args), dict(kwargs)
+        flat = tree_flatten((tuple(args), dict(kwargs)))[0]
+        if self.mode == "dispatch":
+            flat = [a for a in flat if isinstance(a, torch.Tensor)]
+        return tuple(flat), {}
 
     @property
     def graph(self) -> fx.Graph:

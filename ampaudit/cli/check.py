@@ -14,7 +14,7 @@ from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import UsageError
 from ampaudit.findings import SEVERITY_RANK
 
-FORMATS = ("table", "json", "sarif")
+FORMATS = ("table", "json", "sarif", "github")
 FAIL_ON = ("error", "warning", "info", "never")
 
 
@@ -30,13 +30,14 @@ def check(
     input: Annotated[Optional[list[str]], typer.Option("--input", help="Input shape per forward argument, e.g. 8x3x224x224 or 8x128:int64 (instead of example_inputs).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Target device whose autocast policy applies: cuda or cpu [default: cuda].")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Reduced precision: float16, bfloat16 or float8 [default: float16].")] = None,
-    format: Annotated[Optional[str], typer.Option("--format", "-f", help="table, json or sarif [default: table].")] = None,
+    format: Annotated[Optional[str], typer.Option("--format", "-f", help="table, json, sarif or github (workflow annotations) [default: table].")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file (atomically).")] = None,
     fail_on: Annotated[Optional[str], typer.Option(help="Exit 1 when a finding is at or above: error, warning, info, never [default: warning].")] = None,
     select: Annotated[Optional[list[str]], typer.Option(help="Only these rules: ids, id prefixes (AMP2), names or families; comma-separated or repeated.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Skip these rules (same forms as --select).")] = None,
     rules: Annotated[Optional[list[Path]], typer.Option("--rules", help="Folder of extra rule files (*.toml).")] = None,
     why: Annotated[bool, typer.Option("--why", help="Show why each finding matters (table format).")] = False,
+    capture: Annotated[str, typer.Option(help="How to capture the graph: auto (fx, then torch.export, then dispatch-level recording), fx, export or dispatch.")] = "auto",
 ) -> None:
     """Audit a model for mixed-precision hazards: alignment, precision-sensitive ops, norms, constants."""
     from ampaudit.api import check as run_check
@@ -63,7 +64,7 @@ def check(
     loaded = load_target(target, entry=entry, inputs=input)
     base = Path.cwd()
     report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
-                       rules_dirs=rule_dirs, target=target, base_dir=base, **loaded.kwargs)
+                       rules_dirs=rule_dirs, target=target, base_dir=base, capture_mode=capture, **loaded.kwargs)
 
     if fmt == "table":
         if output:
@@ -76,14 +77,18 @@ def check(
     else:
         if fmt == "json":
             text = json.dumps(report.to_dict(), indent=2)
+        elif fmt == "github":
+            from ampaudit.report.github import to_github
+
+            text = to_github(report)
         else:
             from ampaudit.report.sarif import to_sarif
             from ampaudit.rules.loader import load_rules
 
             text = json.dumps(to_sarif(report, load_rules(rule_dirs)), indent=2)
         if output:
-            _write(output, text + "\n")
-        else:
+            _write(output, text + "\n" if text else "")
+        elif text:  # a clean run prints nothing in the github format
             typer.echo(text)
     if fail != "never" and report.at_or_above(fail):
         raise typer.Exit(1)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from ampaudit.capture.fx_capture import SourceLoc
+from ampaudit.capture.fx_capture import MODULE_KEY, SourceLoc
 from ampaudit.policy import Policy
 
 # Fields every hit has, whatever its matcher.
@@ -47,6 +47,14 @@ class MatchContext:
         for n in self.gm.graph.nodes:
             if "amp" in n.meta and n.op in ("call_module", "call_function", "call_method"):
                 yield n
+
+    def owner(self, node: fx.Node) -> torch.nn.Module | None:
+        """The module whose own code ran ``node`` (the called module itself for call_module nodes)."""
+        path = str(node.target) if node.op == "call_module" else node.meta.get(MODULE_KEY, "")
+        try:
+            return self.gm.get_submodule(path) if node.op == "call_module" else self.root.get_submodule(path)
+        except AttributeError:
+            return None
 
     def is_low(self, dtype: torch.dtype | None) -> bool:
         """True for the dtypes the policy lowers to (fp16/bf16, and fp8 for GEMMs)."""

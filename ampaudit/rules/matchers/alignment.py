@@ -16,6 +16,7 @@ from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 FIELDS = {"kind", "shape", "dim", "value", "multiple", "padded", "gemms"}
 
+_LINEAR_OPS = ("linear", "addmm", "mm", "matmul")
 _LINEAR_GEMMS = {"in_features": "forward K, dgrad M, wgrad M", "out_features": "forward M, dgrad K, wgrad N"}
 
 
@@ -38,11 +39,13 @@ def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]]
 def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
-        if info.op != "linear" or not _runs_low(ctx, node):
+        if info.op not in _LINEAR_OPS or not _runs_low(ctx, node):
             continue
-        if node.op == "call_module":
-            m = ctx.root.get_submodule(node.target)
-            fin, fout = getattr(m, "in_features", None), getattr(m, "out_features", None)
+        m = ctx.owner(node)
+        if isinstance(m, nn.Linear):  # nn.Linear, whether captured as a module, aten.linear or t + addmm
+            fin, fout = m.in_features, m.out_features
+        elif info.op != "linear":
+            continue
         else:  # F.linear(x, weight): weight is the second input
             wshape = _shape(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
             if not wshape or len(wshape) != 2:
@@ -59,10 +62,10 @@ def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
 def conv_channels(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
-        if not info.op.startswith(("conv1d", "conv2d", "conv3d", "conv_transpose")) or not _runs_low(ctx, node):
+        if not info.op.startswith(("conv", "convolution")) or not _runs_low(ctx, node):
             continue
-        if node.op == "call_module":
-            m = ctx.root.get_submodule(node.target)
+        m = ctx.owner(node)
+        if isinstance(m, nn.modules.conv._ConvNd):
             kind, groups, cin, cout, kernel = (type(m).__name__, m.groups, m.in_channels, m.out_channels,
                                                tuple(m.kernel_size))
         else:  # F.conv2d(x, weight, bias, stride, padding, dilation, groups): read the weight's shape
@@ -70,7 +73,8 @@ def conv_channels(ctx: MatchContext, rule) -> Iterator[Hit]:
             wshape = _shape(w)
             if not wshape or len(wshape) < 3 or info.op.startswith("conv_transpose"):
                 continue
-            groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+            gpos = 8 if info.op == "convolution" else 6  # aten.convolution has transposed/output_padding first
+            groups = node.args[gpos] if len(node.args) > gpos else node.kwargs.get("groups", 1)
             kind, cout, cin, kernel = info.op, wshape[0], wshape[1] * groups, tuple(wshape[2:])
         if groups > 1 and groups == cin:
             continue  # depthwise: not a GEMM, alignment does not apply
@@ -87,9 +91,9 @@ def _shape(value) -> tuple | None:
 @matcher("embedding_dims", fields=FIELDS)
 def embedding_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
-        if node.op != "call_module":
+        if node.meta[AMP_KEY].op not in ("embedding", "embedding_bag", "_embedding_bag"):
             continue
-        m = ctx.root.get_submodule(node.target)
+        m = ctx.owner(node)
         if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             continue
         yield from _hits(node, type(m).__name__, f"{m.num_embeddings}x{m.embedding_dim}",
@@ -129,8 +133,8 @@ def _einsum_hits(ctx: MatchContext, node: fx.Node) -> Iterator[Hit]:
 def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
-        if info.op not in _MATMUL_OPS or not _runs_low(ctx, node):
-            continue
+        if info.op not in _MATMUL_OPS or not _runs_low(ctx, node) or isinstance(ctx.owner(node), nn.Linear):
+            continue  # a Linear's own GEMM is reported once, by linear_dims
         if info.op == "einsum":
             yield from _einsum_hits(ctx, node)
             continue
@@ -157,9 +161,9 @@ def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
 @matcher("rnn_dims", fields=FIELDS)
 def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
-        if node.op != "call_module" or not _runs_low(ctx, node):
+        if not _runs_low(ctx, node):
             continue
-        m = ctx.root.get_submodule(node.target)
+        m = ctx.owner(node)
         if not isinstance(m, (nn.RNNBase, nn.RNNCellBase)):
             continue
         yield from _hits(node, type(m).__name__, f"input {m.input_size}, hidden {m.hidden_size}",

@@ -42,7 +42,11 @@ def handwritten_norm(ctx: MatchContext, rule) -> Iterator[Hit]:
 @matcher("norm_buffers", fields={"buffer", "value", "dtype", "max"})
 def norm_buffers(ctx: MatchContext, rule) -> Iterator[Hit]:
     limit = ctx.policy.limits.max
-    where = {n.target: n for n in ctx.gm.graph.nodes if n.op == "call_module"}
+    where: dict[str, fx.Node] = {}
+    for n in ctx.gm.graph.nodes:  # the first node each module's own code ran, for a source line
+        key = str(n.target) if n.op == "call_module" else n.meta.get(MODULE_KEY)
+        if key is not None:
+            where.setdefault(key, n)
 
     for name, m in ctx.root.named_modules():
         if not isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):

@@ -36,7 +36,7 @@ def reduction_depth(ctx: MatchContext, node: fx.Node) -> int | None:
         return None
     numel = math.prod(shape) if shape else 1
     if node.op == "call_module":
-        m = ctx.root.get_submodule(node.target)
+        m = ctx.owner(node)
         if isinstance(m, nn.LayerNorm) or hasattr(m, "normalized_shape"):
             return math.prod(m.normalized_shape)
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -46,6 +46,12 @@ def reduction_depth(ctx: MatchContext, node: fx.Node) -> int | None:
         if isinstance(m, (nn.Softmax, nn.LogSoftmax)) and m.dim is not None:
             return shape[m.dim]
         return shape[-1] if shape else 1
+    if info.op == "layer_norm" and len(node.args) > 1 and isinstance(node.args[1], (list, tuple)):
+        return math.prod(node.args[1])
+    if info.op == "group_norm" and len(node.args) > 1 and isinstance(node.args[1], int) and shape:
+        return numel // (shape[0] * node.args[1])
+    if info.op in ("batch_norm", "instance_norm") and len(shape) > 1:
+        return numel // shape[1]
     dim = _dim_arg(node)
     if dim is None:
         if info.op in ("softmax", "log_softmax", "cumsum", "cumprod"):

@@ -1,0 +1,146 @@
+"""Dispatch-level capture: record every aten op one forward runs, even through data-dependent control flow.
+
+    cap = capture_dispatch(model, args, kwargs)   # Capture(gm, mode="dispatch")
+
+A ``TorchDispatchMode`` sees each aten op with its tensors; module forward hooks keep a stack of the modules whose
+forward is running, so each op is attributed to the innermost one (the module whose own code ran it), and the
+Python stack gives the user's line. The ops are written into a straight-line fx graph (parameters as get_attr
+nodes under their own names), so propagation and rules run on it exactly as on an fx or export capture. The
+forward runs for real once in fp32 (on the meta device for a meta model); the graph is the path those inputs took,
+so it cannot be rewritten by ``fix``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, user_frame
+from ampaudit.errors import CaptureError
+
+# Ops that only describe tensors, not compute with them: kept out of the graph.
+_SKIP = {"detach", "alias", "lift_fresh", "_has_compatible_shallow_copy_type", "is_same_size"}
+
+
+class _ModuleStack:
+    """Global forward hooks that keep the dotted names of the modules whose forward is running."""
+
+    def __init__(self, root: nn.Module):
+        self.names = {id(m): n for n, m in root.named_modules()}
+        self.stack: list[str] = []
+        self._handles = []
+
+    def __enter__(self):
+        from torch.nn.modules import module as mod
+
+        self._handles = [mod.register_module_forward_pre_hook(self._pre), mod.register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+    def _pre(self, module, args):
+        if id(module) in self.names:
+            self.stack.append(self.names[id(module)])
+
+    def _post(self, module, args, output):
+        if id(module) in self.names and self.stack:
+            self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: fx.Graph, modules: _ModuleStack, known: WeakIdKeyDictionary, consts: dict):
+        super().__init__()
+        self.graph, self.modules, self.known, self.consts = graph, modules, known, consts
+
+    def _node_for(self, t: torch.Tensor) -> fx.Node:
+        node = self.known.get(t)
+        if node is None:  # a tensor made outside the graph (a constant, a cached buffer): keep it as an attribute
+            name = f"_const_{len(self.consts)}"
+            self.consts[name] = t.detach()
+            node = self.graph.get_attr(name)
+            self.known[t] = node
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket.__name__ in _SKIP:
+            if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and args[0] in self.known:
+                self.known[out] = self.known[args[0]]
+            return out
+        n_args, n_kwargs = tree_map(lambda a: self._node_for(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
+        node.meta[MODULE_KEY] = self.modules.current
+        node.meta[SOURCE_KEY] = user_frame()
+        if isinstance(out, torch.Tensor):
+            self.known[out] = node
+        elif isinstance(out, (tuple, list)):
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    item = self.graph.call_function(_getitem, (node, i))
+                    item.meta.update({MODULE_KEY: node.meta[MODULE_KEY], SOURCE_KEY: node.meta[SOURCE_KEY]})
+                    self.known[o] = item
+        return out
+
+
+def _getitem(seq, i):
+    return seq[i]
+
+
+_getitem.__name__ = "getitem"
+
+
+def _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype):
+    with torch.no_grad(), modules, _Recorder(graph, modules, known, consts):
+        if autocast_dtype is None or device_type == "meta":
+            return model(*args, **kwargs)
+        with torch.autocast(device_type, dtype=autocast_dtype):
+            return model(*args, **kwargs)
+
+
+def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, autocast_dtype: torch.dtype | None = None,
+                     _notes: list | None = None) -> Capture:
+    """Run one forward under the recorder and return the straight-line graph of aten ops it ran.
+
+    With ``autocast_dtype`` the forward runs under the model device's autocast, so ``.to(x.dtype)`` records the
+    dtype x really has under autocast (an fp32 run would bake in fp32); if that forward raises, fp32 is used.
+    """
+    graph = fx.Graph()
+    known = WeakIdKeyDictionary()
+    consts: dict[str, torch.Tensor] = {}
+    attrs: dict[str, torch.Tensor] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t not in known:
+            known[t] = graph.get_attr(name)
+            attrs[name] = t
+    flat, spec = tree_flatten((tuple(args), dict(kwargs)))
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.Tensor):
+            known[a] = graph.placeholder(f"input_{i}")
+    modules = _ModuleStack(model)
+    device_type = next((t.device.type for t in attrs.values()), "cpu")
+    notes = []
+    try:
+        out = _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype)
+    except Exception as exc:
+        if autocast_dtype is None:
+            reason = " ".join(str(exc).split())[:200]
+            raise CaptureError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {reason}",
+                               hint="check that example_inputs() fits the model; run it in plain PyTorch first") from exc
+        # The forward raises under autocast (a constant that does not fit, say): record the fp32 path instead.
+        notes.append(f"the forward raised {type(exc).__name__} under {device_type} autocast; recorded in fp32")
+        return capture_dispatch(model, args, kwargs, autocast_dtype=None, _notes=notes)
+    outs = [known.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    graph.output(tuple(o for o in outs if o is not None))
+    graph.eliminate_dead_code()
+    gm = fx.GraphModule({**attrs, **consts}, graph, type(model).__name__)
+    return Capture(gm=gm, mode="dispatch", root=model, notes=list(_notes or []))

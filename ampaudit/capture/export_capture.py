@@ -1,0 +1,109 @@
+"""Capture with torch.export (non-strict), for models torch.fx cannot trace (Hugging Face models, most timm).
+
+    cap = capture_export(model, args, kwargs)     # Capture(gm, mode="export")
+
+The exported graph holds pre-dispatch aten ops (aten.linear, aten.softmax, aten.layer_norm) with parameters as
+get_attr nodes under their original names; each node's ``nn_module_stack`` and ``stack_trace`` give the module
+path and the user's line, which are written to the same meta keys the fx capture writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, SourceLoc, _is_user_file
+from ampaudit.errors import CaptureError
+
+# Checks export inserts; they compute nothing.
+_ASSERTS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def module_path(raw: str) -> str:
+    """``L['self'].blocks[0].attn`` / ``L__self___blocks_0`` / ``blocks.0.attn`` -> ``blocks.0.attn``."""
+    path = raw.replace("L['self']", "").replace("L__self__", "")
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"\._modules\.", ".", path)
+    return path.strip("._")
+
+
+def source_from_stack(stack: str | None) -> SourceLoc | None:
+    """The innermost user frame of an fx/export ``stack_trace`` string."""
+    if not stack:
+        return None
+    found = None
+    for m in _FRAME_RE.finditer(stack):
+        if _is_user_file(m.group(1)):
+            found = SourceLoc(m.group(1), int(m.group(2)), m.group(3).strip())
+    return found
+
+
+def annotate(gm: fx.GraphModule) -> None:
+    """Write MODULE_KEY and SOURCE_KEY on every node from ``nn_module_stack`` and ``stack_trace``."""
+    for n in gm.graph.nodes:
+        stack = n.meta.get("nn_module_stack")
+        path = module_path(list(stack.values())[-1][0]) if stack else ""
+        n.meta[MODULE_KEY] = path
+        n.meta[SOURCE_KEY] = source_from_stack(n.meta.get("stack_trace"))
+
+
+@contextlib.contextmanager
+def _quiet():
+    # A failed export logs warnings and whole graph dumps; a fallback follows, so the user needs none of it.
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, autocast_dtype: torch.dtype | None):
+    with _quiet():
+        return _export_loud(model, args, kwargs, autocast_dtype)
+
+
+def _export_loud(model: nn.Module, args: tuple, kwargs: dict, autocast_dtype: torch.dtype | None):
+    device_type = next((t.device.type for t in model.parameters()), "cpu")
+    if autocast_dtype is None or device_type not in ("cpu", "cuda"):
+        return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    with torch.autocast(device_type, dtype=autocast_dtype):
+        return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+
+
+def capture_export(model: nn.Module, args: tuple, kwargs: dict, *,
+                   autocast_dtype: torch.dtype | None = None) -> Capture:
+    """torch.export.export(strict=False), unlifted so parameters are get_attr nodes with their original names.
+
+    Exporting under ``autocast_dtype`` bakes ``.to(x.dtype)`` as the dtype x has under autocast (an fp32 export
+    would bake fp32); the graph's ops are still the un-autocast aten ops, which the policy tables then type.
+    """
+    try:
+        try:
+            ep = _export(model, args, kwargs, autocast_dtype)
+        except Exception:
+            if autocast_dtype is None:
+                raise
+            ep = _export(model, args, kwargs, None)
+        gm = ep.module()
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise CaptureError(f"torch.export cannot capture {type(model).__name__}: {type(exc).__name__}: {reason}",
+                           hint="the dispatch-level capture is tried next") from exc
+    # export adds a guard-checking submodule call with no users: not part of the model.
+    for n in list(gm.graph.nodes):
+        if n.users:
+            continue
+        if n.op == "call_module" and "guard" in str(n.target) or getattr(n.target, "_opname", "") in _ASSERTS:
+            gm.graph.erase_node(n)
+    annotate(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return Capture(gm=gm, mode="export", root=model)

@@ -1,0 +1,64 @@
+"""fx, torch.export and dispatch-level captures give the same findings on the same model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampaudit
+
+from conftest import PLANTED, SAMPLES, load_module
+
+MODELS = sorted(p for folder in (PLANTED, SAMPLES) if folder.is_dir() for p in folder.glob("*.py"))
+
+
+def keys(report, *, drop_info: bool = False):
+    return sorted((f.rule, f.module, (f.location or {}).get("line")) for f in report.findings
+                  if not (drop_info and f.severity == "info"))
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
+def test_export_and_dispatch_agree_with_fx(path):
+    m = load_module(path)
+    args = m.example_inputs()
+    fx_report = ampaudit.check(m.build_model(), *args, device="cpu", capture_mode="fx")
+    assert fx_report.capture == "fx"
+    ex = ampaudit.check(m.build_model(), *args, device="cpu", capture_mode="export")
+    assert ex.capture == "export" and keys(ex) == keys(fx_report)
+    # Dispatch sees the decomposed ops (adaptive pooling runs as a mean): it may add an info, never lose one.
+    di = ampaudit.check(m.build_model(), *args, device="cpu", capture_mode="dispatch")
+    assert di.capture == "dispatch" and keys(di, drop_info=True) == keys(fx_report, drop_info=True)
+
+
+class DataDependent(nn.Module):
+    """fx and export cannot follow `if h.sum() > 0`; the dispatch recorder takes the path these inputs take."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 30)
+        self.norm = nn.LayerNorm(30)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            h = torch.softmax(h, -1)
+        else:
+            h = torch.softmax(-h, -1)
+        return self.norm(h)
+
+
+def test_auto_falls_back_to_dispatch_with_module_and_line():
+    report = ampaudit.check(DataDependent(), torch.randn(4, 16), device="cpu")
+    assert report.capture == "dispatch"
+    assert any("fx:" in n for n in report.notes) and any("export:" in n for n in report.notes)
+    found = {(f.rule, f.module) for f in report.findings}
+    assert {("AMP101", "fc"), ("AMP201", ""), ("AMP301", "norm")} <= found
+    softmax = next(f for f in report.findings if f.rule == "AMP201")
+    assert softmax.location["file"].endswith("test_capture_modes.py") and "softmax" in softmax.code
+
+
+def test_forward_raising_under_autocast_is_recorded_in_fp32(planted):
+    m = planted("mask_fill_crash")
+    report = ampaudit.check(m.build_model(), *m.example_inputs(), device="cpu", capture_mode="dispatch")
+    assert any("raised" in n for n in report.notes)
+    assert any(f.rule == "AMP401" and f.module == "attn" for f in report.findings)
