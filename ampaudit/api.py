@@ -39,16 +39,21 @@ class Audit:
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
-          capture_mode: str = "auto", **kwargs) -> Report:
-    """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target."""
+          capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None, **kwargs) -> Report:
+    """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target.
+
+    ``calibrate=True`` also runs the model (on ``batches`` of ``(args, kwargs)``, else the example inputs) in
+    FP32 and under the target's autocast, adding measured ``range``, ``nonfinite`` and ``divergence`` findings.
+    """
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
-                 target=target, base_dir=base_dir, capture_mode=capture_mode, **kwargs).report
+                 target=target, base_dir=base_dir, capture_mode=capture_mode, calibrate=calibrate,
+                 batches=batches, **kwargs).report
 
 
 def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
-          capture_mode: str = "auto", **kwargs) -> Audit:
+          capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None, **kwargs) -> Audit:
     """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
@@ -62,16 +67,52 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     prop = AmpProp(cap.gm, policy)
     g_args, g_kwargs = cap.graph_inputs(args, kwargs)
     prop.propagate(*g_args, **g_kwargs)
+    _require_tensor_output(cap)
     ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, settings=settings())
+    if calibrate:
+        ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy)
     findings, suppressed = run_rules(ctx, active)
     if base_dir is not None:
         for f in findings:
             relative_location(f, Path(base_dir))
     report = Report(target=target or type(model).__name__, capture=cap.mode, policy=policy.describe(),
                     findings=findings, suppressed=suppressed, nodes=len(cap.gm.graph.nodes))
+    if ctx.calibration is not None:
+        sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
+        report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}")
     report.notes.extend(f"{cap.mode} capture used; {note}" for note in cap.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
     return Audit(capture=cap, policy=policy, report=report)
+
+
+def _calibrate(model: nn.Module, batches: list, policy: Policy):
+    from ampaudit.calibrate import calibrate
+
+    if any(t.is_meta for t in model.parameters()):
+        raise UsageError("--calibrate runs the model, but its weights are on the meta device",
+                         hint="build the model with real weights, or drop --calibrate for the static audit")
+    return calibrate(model, batches, policy)
+
+
+def _require_tensor_output(cap: Capture) -> None:
+    """A forward must return tensors (or containers of them): nothing else can be checked or trained."""
+    from torch.utils._pytree import tree_flatten
+
+    from ampaudit.analysis.amp_prop import AMP_KEY
+    from ampaudit.errors import InputError
+
+    out = next((n for n in cap.gm.graph.nodes if n.op == "output"), None)
+    if out is None:
+        return
+    leaves = [a for a in tree_flatten(out.args)[0]]
+    nodes = [a for a in leaves if hasattr(a, "meta")]
+    if not nodes and leaves:
+        kinds = sorted({type(a).__name__ for a in leaves})
+        raise InputError(f"the forward returns {', '.join(kinds)}, not tensors",
+                         hint="return the model's output tensor(s) from forward")
+    if nodes and all(AMP_KEY in n.meta and n.meta[AMP_KEY].shape is None and n.meta[AMP_KEY].error is None
+                     and n.op != "placeholder" for n in nodes):
+        raise InputError("the forward returns no tensors", hint="return the model's output tensor(s) from forward")

@@ -38,8 +38,6 @@ def capture_any(model: nn.Module, args: tuple, kwargs: dict, *, mode: str = "aut
             cap = attempts[name]()
         except CaptureError as exc:
             if mode != "auto" or name == order[-1]:
-                if notes:
-                    exc.message = exc.message + " (after: " + "; ".join(notes) + ")"
                 raise
             notes.append(f"{name}: {exc.message}")
             continue

@@ -19,6 +19,7 @@ from typing import Callable, TypeVar
 import typer
 
 from ampaudit.errors import AmpAuditError
+from ampaudit.timeout import TimeLimitExceeded
 
 app = typer.Typer(
     name="ampaudit",
@@ -51,7 +52,7 @@ def cli_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
-        except AmpAuditError as exc:
+        except (AmpAuditError, TimeLimitExceeded) as exc:
             if _debug():
                 traceback.print_exc()
             fail(exc.one_line(), exc.exit_code)

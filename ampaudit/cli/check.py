@@ -38,6 +38,9 @@ def check(
     rules: Annotated[Optional[list[Path]], typer.Option("--rules", help="Folder of extra rule files (*.toml).")] = None,
     why: Annotated[bool, typer.Option("--why", help="Show why each finding matters (table format).")] = False,
     capture: Annotated[str, typer.Option(help="How to capture the graph: auto (fx, then torch.export, then dispatch-level recording), fx, export or dispatch.")] = "auto",
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model in FP32 and under the target's autocast and report measured range, non-finite and divergence findings.")] = False,
+    calibrate_batches: Annotated[int, typer.Option(help="With --calibrate: use this many batches of train_data() instead of example_inputs().")] = 0,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds (a forward that hangs) [0: no limit].")] = 600.0,
 ) -> None:
     """Audit a model for mixed-precision hazards: alignment, precision-sensitive ops, norms, constants."""
     from ampaudit.api import check as run_check
@@ -61,10 +64,17 @@ def check(
     from ampaudit.policy import Policy
 
     Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
-    loaded = load_target(target, entry=entry, inputs=input)
-    base = Path.cwd()
-    report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
-                       rules_dirs=rule_dirs, target=target, base_dir=base, capture_mode=capture, **loaded.kwargs)
+    if calibrate_batches and not calibrate:
+        raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
+    from ampaudit.calibrate import batches_from
+    from ampaudit.timeout import time_limit
+
+    with time_limit(timeout, "check"):
+        loaded = load_target(target, entry=entry, inputs=input)
+        batches = batches_from(loaded, calibrate_batches) if calibrate else None
+        report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
+                           rules_dirs=rule_dirs, target=target, base_dir=Path.cwd(), capture_mode=capture,
+                           calibrate=calibrate, batches=batches, **loaded.kwargs)
 
     if fmt == "table":
         if output:

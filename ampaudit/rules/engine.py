@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import SOURCE_KEY
+from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY
 from ampaudit.errors import RuleError
 from ampaudit.findings import Finding
 from ampaudit.rules.loader import Rule
@@ -37,6 +37,8 @@ def suppressed_by_comment(file: str | None, line: int | None, rule: Rule) -> boo
 
 def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     node = hit.node
+    if node is None and hit.module is not None and hit.source is None:
+        node = _first_node_of(ctx, hit.module)  # a measured finding: point at the module's first line
     info = node.meta.get(AMP_KEY) if node is not None else None
     src = hit.source or (node.meta.get(SOURCE_KEY) if node is not None else None)
     module = hit.module if hit.module is not None else (info.module if info else "")
@@ -53,6 +55,13 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
                    module=module, op=op, message=message, fix=fix, why=" ".join(rule.why.split()),
                    location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
                    code=src.code if src else "", node=node.name if node is not None else None)
+
+
+def _first_node_of(ctx: MatchContext, module: str):
+    for n in ctx.gm.graph.nodes:
+        if n.meta.get(MODULE_KEY) == module and n.meta.get(SOURCE_KEY) is not None:
+            return n
+    return None
 
 
 def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]:
@@ -73,6 +82,7 @@ def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]
                 suppressed += 1
                 continue
             collected.append((order.get(hit.node, len(order)), f))
+    # Static findings in graph order; measured ones (no node) after them, each family in execution order.
     collected.sort(key=lambda t: t[0])
     return [f for _, f in collected], suppressed
 

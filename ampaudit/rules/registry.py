@@ -42,6 +42,7 @@ class MatchContext:
     root: torch.nn.Module
     policy: Policy
     settings: dict = field(default_factory=dict)
+    calibration: Any = None              # an ampaudit.calibrate.Calibration with check --calibrate
 
     def nodes(self) -> Iterator[fx.Node]:
         for n in self.gm.graph.nodes:
@@ -85,6 +86,6 @@ def matcher(name: str, *, fields: set[str]) -> Callable:
 
 def load_builtin_matchers() -> dict[str, Matcher]:
     """Import the built-in matcher modules (each registers itself) and return the registry."""
-    from ampaudit.rules.matchers import alignment, constants, normalization, sensitive  # noqa: F401
+    from ampaudit.rules.matchers import alignment, calibrated, constants, normalization, sensitive  # noqa: F401
 
     return MATCHERS

@@ -1,0 +1,142 @@
+"""Calibration: run the model on real inputs in FP32 and under the target's autocast, and measure what breaks.
+
+    cal = calibrate(model, [(args, kwargs), ...], Policy.load("cuda", "float16"))
+    cal.nonfinite     # first inf/NaN origins (module, op, source), in execution order; a raising forward too
+    cal.modules       # per module: divergence from FP32 (global and local), absmax, headroom, underflow
+    cal.buffers       # running statistics beyond the dtype's range
+
+There is no GPU here, so every run is on CPU. A CPU target runs under CPU autocast as it is. A CUDA target is
+simulated: CPU autocast lowers the GEMMs as CUDA's does, and :class:`PolicyUpcast` runs the ops CUDA autocast
+keeps in fp32 (softmax, exp, pow, sum, layer_norm, ...) in fp32, so the numbers follow CUDA's policy table.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from ampaudit.policy import Policy, op_names
+
+
+class PolicyUpcast(TorchFunctionMode):
+    """Run the functions ``ops`` names in fp32 with autocast off, inputs upcast: one device's policy on another."""
+
+    def __init__(self, ops: set[str]):
+        super().__init__()
+        self.ops = ops
+        self.aliases = op_names()["aliases"]
+
+    def _name(self, func) -> str:
+        raw = getattr(func, "__name__", "")
+        raw = self.aliases.get(raw, raw)
+        return self.aliases.get(raw.strip("_"), raw.strip("_"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._name(func) not in self.ops:
+            return func(*args, **kwargs)
+        up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        with torch.autocast("cpu", enabled=False):
+            return func(*tree_map(up, args), **tree_map(up, kwargs))
+
+
+def simulation(policy: Policy) -> contextlib.AbstractContextManager:
+    """What to run a CPU-autocast forward inside so its numerics follow ``policy`` (a no-op for a CPU target)."""
+    if policy.device == "cpu":
+        return contextlib.nullcontext()
+    cpu = Policy.load("cpu", policy.dtype_name)
+    ops = {op for op, cat in policy.table.items() if cat in ("fp32", "fp32_output")
+           and cpu.category(op) not in ("fp32", "fp32_output")}
+    return PolicyUpcast(ops)
+
+
+@dataclass
+class Calibration:
+    """What calibration measured; the calibrated_* matchers turn it into findings."""
+
+    policy: Policy
+    batches: int
+    nonfinite: list[dict] = field(default_factory=list)
+    modules: dict[str, dict] = field(default_factory=dict)
+    buffers: list[dict] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)   # modules in execution order
+
+
+def _merge(into: dict, row: dict) -> None:
+    # Over several batches keep the worst value of each metric.
+    worse_high = ("rel_l2", "max_abs", "local_rel_l2", "local_max_abs", "absmax", "overflow", "underflow_share",
+                  "flush_share")
+    worse_low = ("cosine", "sqnr_db", "local_cosine", "local_sqnr_db", "headroom_bits")
+    for key, value in row.items():
+        if not isinstance(value, (int, float)) or key not in into:
+            into[key] = value
+        elif key in worse_high:
+            into[key] = value if math.isnan(value) or value > into[key] else into[key]
+        elif key in worse_low:
+            into[key] = value if math.isnan(value) or value < into[key] else into[key]
+
+
+def calibrate(model: nn.Module, batches: Iterable[tuple[tuple, dict]], policy: Policy) -> Calibration:
+    """Measure ``model`` on ``batches`` of (args, kwargs) under ``policy`` (see the module docstring)."""
+    from ampaudit.runtime.divergence import compare_to_fp32
+    from ampaudit.runtime.locate import locate_nonfinite
+
+    cal = Calibration(policy=policy, batches=0)
+    model_was_training = model.training
+    model.eval()  # calibration measures; it must not move BatchNorm statistics
+    try:
+        for args, kwargs in batches:
+            cal.batches += 1
+            with simulation(policy):
+                events = locate_nonfinite(model, args, kwargs, device_type="cpu", dtype=policy.low)
+            for ev in events:
+                key = (ev.get("module"), ev.get("op"), ev.get("source"), ev.get("kind"))
+                if key not in {(e.get("module"), e.get("op"), e.get("source"), e.get("kind")) for e in cal.nonfinite}:
+                    cal.nonfinite.append(ev)
+            if any(ev.get("kind") == "error" for ev in events):
+                continue  # the forward raises under autocast: nothing to compare
+            with simulation(policy):
+                rows = compare_to_fp32(model, args, kwargs, dtype=policy.low, device_type="cpu")
+            for row in rows:
+                name = row["module"]
+                if name not in cal.modules:
+                    cal.order.append(name)
+                    cal.modules[name] = {}
+                _merge(cal.modules[name], row)
+    finally:
+        model.train(model_was_training)
+    limit = torch.finfo(policy.low).max
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point() and not buf.is_meta and buf.numel():
+            value = float(buf.detach().abs().max())
+            if value > limit:
+                cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
+    return cal
+
+
+def batches_from(loaded: Any, count: int) -> list[tuple[tuple, dict]]:
+    """``count`` batches of inputs from the model file's ``train_data()``, else its example inputs once."""
+    from ampaudit.errors import InputError
+
+    if count <= 0:
+        return [(loaded.args, loaded.kwargs)]
+    fn = loaded.hook("train_data")
+    if fn is None:
+        raise InputError(f"--calibrate-batches needs train_data() in {loaded.display}",
+                         hint="define train_data() yielding (inputs, target), or calibrate on example_inputs()")
+    out = []
+    for item in fn():
+        inputs = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
+        if isinstance(inputs, dict):
+            out.append(((), inputs))
+        else:
+            out.append((tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}))
+        if len(out) >= count:
+            break
+    return out

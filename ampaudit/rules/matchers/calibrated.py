@@ -1,0 +1,115 @@
+"""Matchers over what ``check --calibrate`` measured (``ctx.calibration``); silent without calibration.
+
+A module is reported for its *own* code: for divergence and range, a module whose descendants already cross the
+threshold is left out (they explain it); for non-finite values the locator already names the op that turned
+finite inputs into inf/NaN.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterator
+
+import torch
+
+from ampaudit.capture.fx_capture import SourceLoc
+from ampaudit.policy import settings
+from ampaudit.rules.registry import Hit, MatchContext, matcher
+
+_SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
+
+
+def _source(text: str | None) -> SourceLoc | None:
+    m = _SOURCE_RE.match(text or "")
+    if not m:
+        return None
+    import linecache
+    import os
+
+    path = os.path.abspath(m["file"])
+    return SourceLoc(path, int(m["line"]), linecache.getline(path, int(m["line"])).strip())
+
+
+def _bad(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _own(cal, module: str, flagged) -> bool:
+    """True when no module below ``module`` is itself flagged."""
+    prefix = f"{module}." if module else ""
+    return not any(other != module and other.startswith(prefix) and flagged(other) for other in cal.modules)
+
+
+@matcher("calibrated_nonfinite", fields={"kind", "error", "source"})
+def calibrated_nonfinite(ctx: MatchContext, rule) -> Iterator[Hit]:
+    cal = ctx.calibration
+    if cal is None:
+        return
+    want = rule.param("check", "nonfinite")
+    for ev in cal.nonfinite:
+        is_error = ev.get("kind") == "error"
+        if is_error != (want == "error"):
+            continue
+        op = (ev.get("op") or "").replace("aten.", "") or "forward"
+        yield Hit(None, {"kind": ev.get("kind"), "error": ev.get("message") or "", "source": ev.get("source") or ""},
+                  module=ev.get("module") or "", op=op, source=_source(ev.get("source")))
+
+
+def _range_rows(ctx: MatchContext) -> Iterator[tuple[str, dict]]:
+    cal = ctx.calibration
+    for name in cal.order:
+        yield name, cal.modules[name]
+
+
+@matcher("calibrated_range", fields={"what", "absmax", "max", "headroom", "share", "flush", "extra"})
+def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
+    cal = ctx.calibration
+    if cal is None:
+        return
+    cfg = settings()["calibration"]
+    tmax = float(torch.finfo(cal.policy.low).max)
+    check = rule.param("check", "overflow")
+    dtype = str(cal.policy.low).replace("torch.", "")
+    tests = {
+        "overflow": lambda r: (r.get("overflow") or 0) > 0,
+        "headroom": lambda r: not (r.get("overflow") or 0) and r.get("headroom_bits", 99) < cfg["headroom_warning_bits"],
+        "underflow": lambda r: r.get("underflow_share", 0) >= cfg["underflow_warning"],
+    }
+    test = tests[check]
+    hits: list[tuple[int, Hit]] = []
+    for i, (name, row) in enumerate(_range_rows(ctx)):
+        if test(row) and _own(cal, name, lambda other: test(cal.modules[other])):
+            details = {"what": f"{name or '<top>'} output", "absmax": row.get("absmax", 0.0), "max": tmax,
+                       "headroom": row.get("headroom_bits", 0.0), "share": row.get("underflow_share", 0.0),
+                       "flush": row.get("flush_share", 0.0), "extra": ""}
+            hits.append((i, Hit(None, details, module=name, op="output")))
+    if check == "overflow":
+        order = {name: i for i, name in enumerate(cal.order)}
+        for buf in cal.buffers:
+            details = {"what": buf["buffer"], "absmax": buf["absmax"], "max": tmax, "headroom": 0.0, "share": 0.0,
+                       "flush": 0.0, "extra": "; it becomes inf when the model is cast to " + dtype}
+            hits.append((order.get(buf["module"], len(order)), Hit(None, details, module=buf["module"], op="buffer")))
+    for _, hit in sorted(hits, key=lambda t: t[0]):
+        yield hit
+
+
+@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs"})
+def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
+    cal = ctx.calibration
+    if cal is None:
+        return
+    cfg = settings()["calibration"]
+
+    def over(name: str) -> bool:
+        v = cal.modules[name].get("local_rel_l2", cal.modules[name].get("rel_l2"))
+        return v is not None and (_bad(v) or v >= cfg["divergence_warning"])
+
+    for name, row in _range_rows(ctx):
+        if not over(name) or not _own(cal, name, over):
+            continue
+        rel = row.get("local_rel_l2", row.get("rel_l2"))
+        sev = "error" if _bad(rel) or rel >= cfg["divergence_error"] else None
+        yield Hit(None, {"rel_l2": rel, "cosine": row.get("local_cosine", row.get("cosine", float("nan"))),
+                         "sqnr_db": row.get("local_sqnr_db", row.get("sqnr_db", float("nan"))),
+                         "max_abs": row.get("local_max_abs", row.get("max_abs", float("nan")))},
+                  severity=sev, module=name, op="output")

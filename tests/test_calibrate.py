@@ -1,0 +1,105 @@
+"""check --calibrate: measured non-finite, range and divergence findings name the module whose own code is at fault."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import ampaudit
+import ampaudit.cli.commands  # noqa: F401
+from ampaudit.cli.app import app
+
+from conftest import ASSETS, PLANTED
+
+runner = CliRunner()
+MEASURED = ("range", "nonfinite", "divergence")
+
+
+def calibrated_json(path, *extra):
+    r = runner.invoke(app, ["check", str(path), "--calibrate", "-f", "json", "--fail-on", "never", *extra])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+@pytest.mark.skipif(not PLANTED.is_dir(), reason="planted models absent")
+@pytest.mark.parametrize("name", ["mask_fill", "mask_fill_crash", "gelu_cube", "cumsum_pool", "bn_running_var"])
+def test_planted_culprit_is_the_first_measured_finding(planted, name):
+    expect = planted(name).EXPECT
+    doc = calibrated_json(PLANTED / f"{name}.py", "--device", "cpu")
+    measured = [f for f in doc["findings"] if f["family"] in MEASURED]
+    nonfinite = [f for f in measured if f["family"] == "nonfinite"]
+    first = nonfinite[0] if nonfinite else measured[0]
+    assert first["module"] == expect["culprit"], measured
+    if expect.get("raises"):
+        assert first["rule"] == "AMP602" and first["location"]["line"] == 12
+
+
+@pytest.mark.skipif(not PLANTED.is_dir(), reason="planted models absent")
+def test_cuda_target_is_simulated_with_cuda_upcasts(planted):
+    # CUDA autocast runs pow and cumsum in fp32, so the faults CPU autocast shows do not happen there.
+    for name in ("gelu_cube", "cumsum_pool"):
+        doc = calibrated_json(PLANTED / f"{name}.py", "--device", "cuda")
+        assert not [f for f in doc["findings"] if f["family"] == "nonfinite"], name
+        assert any("simulated" in n for n in doc["notes"])
+    doc = calibrated_json(PLANTED / "mask_fill.py", "--device", "cuda")
+    assert [f["module"] for f in doc["findings"] if f["family"] == "nonfinite"][:1] == ["attn"]
+
+
+@pytest.mark.skipif(not PLANTED.is_dir(), reason="planted models absent")
+def test_calibrate_batches_from_train_data(planted):
+    doc = calibrated_json(PLANTED / "gelu_cube.py", "--device", "cpu", "--calibrate-batches", "3")
+    assert any("3 batch" in n for n in doc["notes"])
+    assert [f["module"] for f in doc["findings"] if f["family"] == "nonfinite"][:1] == ["mlp.act"]
+
+
+def test_clean_model_has_no_measured_findings():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    report = ampaudit.check(model, torch.randn(8, 16), device="cpu", calibrate=True)
+    assert not [f for f in report.findings if f.family in MEASURED]
+
+
+def test_divergence_names_the_child_not_the_parent():
+    class Lossy(nn.Module):
+        def forward(self, x):
+            return (x * 3000.0).exp() / (x * 3000.0).exp().sum(-1, keepdim=True)   # hand-written softmax
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.lossy = Lossy()
+
+        def forward(self, x):
+            return self.lossy(self.fc(x))
+
+    report = ampaudit.check(Parent(), torch.randn(4, 16) * 0.01, device="cpu", calibrate=True,
+                            select=["divergence", "nonfinite"])
+    modules = [f.module for f in report.findings]
+    assert modules and modules[0] == "lossy" and "" not in modules
+
+
+def test_meta_model_cannot_be_calibrated():
+    with torch.device("meta"):
+        model = nn.Linear(8, 8)
+    with pytest.raises(ampaudit.AmpAuditError, match="meta"):
+        ampaudit.check(model, torch.randn(2, 8), calibrate=True)
+
+
+@pytest.mark.parametrize("name, args, words", [
+    ("hangs.py", ["--timeout", "3"], "did not finish within 3 s"),
+    ("returns_string.py", [], "returns str, not tensors"),
+    ("forward_raises.py", [], "raised ValueError: bad shapes"),
+])
+def test_forward_problems_are_one_line_errors(name, args, words):
+    r = runner.invoke(app, ["check", str(ASSETS / "bad" / name), *args])
+    assert r.exit_code == 2
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and words in lines[0], r.output
+
+
+def test_calibrate_batches_needs_calibrate(tmp_path):
+    r = runner.invoke(app, ["check", str(ASSETS / "bad" / "returns_string.py"), "--calibrate-batches", "2"])
+    assert r.exit_code == 2 and "needs --calibrate" in r.output
