@@ -1,0 +1,361 @@
+"""How far each module's low-precision output drifts from FP32: a shadow FP32 forward on the same weights.
+
+    rows = compare_to_fp32(model, (x,), {}, dtype=torch.float16)      # offline, one batch
+    # [{"module": "mlp.fc", "rel_l2": 3e-4, "cosine": 0.99999, "max_abs": 0.002, "sqnr_db": 70.1,
+    #   "local_rel_l2": ..., "absmax": 12.5, "headroom_bits": 12.3, "underflow_share": 0.0, ...}, ...]
+
+In a training loop ``ampaudit.watch`` drives a :class:`DivergenceProbe` every N steps:
+``begin`` (before the real forward: output recording hooks, gradient hooks on the parameters),
+``shadow`` (after it: the FP32 forward), ``grads`` (once backward has produced the upstream gradient),
+``events`` (one host read), ``close``.
+
+Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR = 20 log10(|b|/|a-b|)
+(b is the FP32 reference):
+- ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
+- ``local``: the module alone under autocast, fed the shadow's FP32 inputs, against its FP32 output: the
+  error this module adds by itself. Run right after the module's shadow call, with the RNG state its shadow
+  call saw (same dropout masks); skipped for the root (equal to global) and for modules whose inputs were
+  modified in place by their own forward. ``local="leaves"`` (what ``watch`` uses) limits it to modules
+  without children: one extra forward's worth of work instead of one per nesting level.
+- ``grad``: per parameter, the real gradient against the FP32 one, obtained by pushing the *same* upstream
+  gradient (d loss / d output, captured during the real backward) through the FP32 graph, so the loss
+  function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
+
+Tensors above ``METRIC_SAMPLE`` elements are compared on evenly spaced elements (see there). The shadow
+runs with autocast disabled, the same inputs (low-precision float inputs upcast) and RNG state;
+buffers (BatchNorm running stats) are restored afterwards. It needs FP32 parameters (autocast training); a
+model cast to half is skipped.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ampaudit.runtime.locate import _float_tensors, _preserved, module_names, unwrap
+from ampaudit.runtime.stats import full_counts
+
+METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
+_LOW = (torch.float16, torch.bfloat16)
+
+
+# Module outputs larger than this are compared on evenly spaced elements (a fixed stride): the metrics of
+# a check then cost a few passes over at most this many elements per module instead of over every
+# activation, which on CPU costs as much as the shadow forward itself. rel_l2, cosine and SQNR are
+# estimated without bias; max_abs is the maximum over the sampled elements.
+METRIC_SAMPLE = 32768
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    return flat if n <= METRIC_SAMPLE else flat[:: -(-n // METRIC_SAMPLE)]
+
+
+def _sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    b = _sample(b).float()
+    d = torch.sub(_sample(a), b)                    # promotes a low-precision ``a`` without a copy of it
+    dd, bb, db = d.dot(d), b.dot(b), d.dot(b)
+    # a = d + b: a.b = d.b + |b|^2 and |a|^2 = |d|^2 + 2 d.b + |b|^2, so ``a`` is read once. Separate
+    # amin/amax beat aminmax and abs().amax() on CPU.
+    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, torch.maximum(-d.amin(), d.amax())])
+
+
+def batched_sums(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(n, 5) device tensor of :func:`metric_sums` rows for many small pairs (parameter gradients) at once:
+    a few ops over the concatenation instead of a few ops per pair."""
+    lengths = torch.tensor([b.numel() for _, b in pairs], device=pairs[0][1].device)
+    b = torch.cat([r.detach().reshape(-1).float() for _, r in pairs])
+    d = torch.cat([t.detach().reshape(-1).float() for t, _ in pairs]) - b
+    seg = torch.stack([d * d, b * b, d * b])
+    dd, bb, db = (torch.segment_reduce(row, "sum", lengths=lengths) for row in seg)
+    mx = torch.segment_reduce(d.abs(), "max", lengths=lengths)
+    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, mx], dim=1)
+
+
+def metric_sums(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """Device tensor [|d|^2, |b|^2, |a|^2, a.b, max|d|] over (test a, reference b) pairs; None if no pair."""
+    rows = [_sums(a, b) for a, b in pairs if a.shape == b.shape and a.numel()]
+    if len(rows) <= 1:
+        return rows[0] if rows else None
+    s = torch.stack(rows)
+    return torch.cat([s[:, :4].sum(0), s[:, 4].amax().reshape(1)])
+
+
+def finish_metrics(sums: list[float]) -> dict[str, float]:
+    """rel_l2, cosine, max_abs, sqnr_db from :func:`metric_sums` values read back to the host."""
+    dd, bb, aa, ab, mx = sums
+    if dd == 0:
+        return {"rel_l2": 0.0, "cosine": 1.0, "max_abs": mx, "sqnr_db": math.inf}
+    rel = math.sqrt(dd / bb) if bb > 0 else math.inf
+    cos = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
+    sqnr = 10 * math.log10(bb / dd) if bb > 0 and math.isfinite(dd) else -math.inf
+    return {"rel_l2": rel, "cosine": cos, "max_abs": mx, "sqnr_db": sqnr}
+
+
+def _upcast(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.float() if tree.dtype in _LOW else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_upcast(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _upcast(v) for k, v in tree.items()}
+    return tree
+
+
+class DivergenceProbe:
+    """One divergence check of ``root`` (see the module docstring for the order of calls)."""
+
+    def __init__(self, root: nn.Module, *, device_type: str = "cpu", dtype: torch.dtype = torch.float16,
+                 local: bool | str = True, ranges: bool = False):
+        self.root = unwrap(root)
+        self.names = module_names(self.root)
+        self.device_type, self.dtype = device_type, dtype
+        self.local, self.ranges = local, ranges
+        leaves = {m for m in self.names if next(m.children(), None) is None}
+        # local=True: every module but the root; "leaves": modules without children (one forward's worth
+        # of work instead of one per nesting level).
+        self._local_mods = (leaves if local == "leaves" else set(self.names) - {self.root}) if local else set()
+        self._last_real: tuple | None = None      # (tensor, clone): containers return their child's output
+        self._last_ref: tuple | None = None       # (real clone, shadow tensor, sums)
+        self.usable = all(p.dtype == torch.float32 for p in self.root.parameters() if p.is_floating_point())
+        self._handles: list[Any] = []
+        self._grad_handles: list[Any] = []
+        self._real: dict[str, list[list[torch.Tensor]]] = {}
+        self._calls: dict[str, int] = {}
+        self._inputs: dict[str, list[tuple]] = {}
+        self._pending: list[tuple[dict, torch.Tensor]] = []    # (event fields, metric sums on device)
+        self._range: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._real_grads: dict[str, torch.Tensor] = {}
+        self._param_names = {p: n for n, p in self.root.named_parameters() if p.requires_grad}
+        self._shadow_out: list[torch.Tensor] = []
+        self._in_local = False
+        self._in_shadow = False
+        self.active = False
+
+    # --- real forward --------------------------------------------------------------------------------
+    def begin(self, *, capture_grads: bool) -> None:
+        """Before the real forward: record module outputs; optionally the real parameter gradients."""
+        if not self.usable:
+            return
+        self.active = True
+        for mod in self.names:
+            # prepend: the root's output must be recorded before the caller's own hook starts the shadow.
+            self._handles.append(mod.register_forward_hook(self._record_real, prepend=True))
+        if capture_grads:
+            for p, name in self._param_names.items():
+                self._grad_handles.append(p.register_hook(self._grad_catcher(name)))
+
+    def _record_real(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if not self.active:
+            return
+        # Cloned: the caller may modify the output in place later (``out += identity``).
+        clones = []
+        for t in _float_tensors(out):
+            if self._last_real is not None and self._last_real[0] is t:
+                clones.append(self._last_real[1])
+            else:
+                c = t.detach().clone()
+                self._last_real = (t, c)
+                clones.append(c)
+        self._real.setdefault(self.names[mod], []).append(clones)
+
+    def _grad_catcher(self, name: str):
+        def hook(grad: torch.Tensor) -> None:
+            prev = self._real_grads.get(name)
+            self._real_grads[name] = grad.detach() if prev is None else prev + grad.detach()
+        return hook
+
+    # --- shadow forward ------------------------------------------------------------------------------
+    def shadow(self, args: tuple, kwargs: dict, *, rng_state: dict | None, grad: bool) -> None:
+        """After the real forward: the FP32 forward with global (and local) comparisons per module."""
+        if not self.active:
+            return
+        self.active = False
+        for mod in self.names:
+            self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._shadow_post))
+        grad_ctx = torch.enable_grad() if grad else torch.no_grad()
+        self._in_shadow = True
+        self._last_real = None
+        try:
+            with _preserved(self.root, rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False):
+                out = self.root(*_upcast(args), **_upcast(kwargs))
+        finally:
+            self._in_shadow = False
+        self._real.clear()
+        self._last_ref = None
+        self._shadow_out = [t for t in _float_tensors(out) if t.requires_grad] if grad else []
+
+    def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._in_local or mod not in self._local_mods:
+            return
+        flat = _float_tensors((args, kwargs))
+        state = torch.get_rng_state()
+        cuda = {t.device.index or 0 for t in flat if t.is_cuda}
+        cuda_state = {d: torch.cuda.get_rng_state(d) for d in cuda}
+        self._inputs.setdefault(self.names[mod], []).append(
+            (args, kwargs, [t._version for t in flat], state, cuda_state))
+
+    def _shadow_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self._in_local:
+            return
+        name = self.names[mod]
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        refs = _float_tensors(out)
+        reals = self._real.get(name, [])
+        tag = {"module": name} if call == 0 else {"module": name, "call": call}
+        if call < len(reals):
+            pairs = list(zip(reals[call], refs))
+            last = self._last_ref
+            if len(pairs) == 1 and last is not None and last[0] is pairs[0][0] and last[1] is pairs[0][1]:
+                sums = last[2]                            # same tensors as the child just compared
+            else:
+                sums = metric_sums(pairs)
+                if len(pairs) == 1:
+                    self._last_ref = (pairs[0][0], pairs[0][1], sums)
+            if sums is not None:
+                self._pending.append(({**tag, "scope": "global"}, sums))
+            reals[call] = []
+        if self.ranges and refs:
+            counts = [full_counts(r.detach(), self.dtype)[0] for r in refs]
+            amax = torch.stack([r.detach().abs().amax().float() for r in refs if r.numel()]).amax() \
+                if any(r.numel() for r in refs) else torch.zeros(())
+            self._range.append((name, torch.stack(counts).sum(0), amax))
+        stack = self._inputs.get(name)
+        if stack:
+            a, k, versions, state, cuda_state = stack.pop()
+            flat = _float_tensors((a, k))
+            if [t._version for t in flat] == versions:
+                self._run_local(mod, a, k, state, cuda_state, refs, tag)
+
+    def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
+                   cuda_state: dict, refs: list[torch.Tensor], tag: dict) -> None:
+        now = torch.get_rng_state()
+        now_cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_state}
+        torch.set_rng_state(state)
+        for d, s in cuda_state.items():
+            torch.cuda.set_rng_state(s, d)
+        self._in_local = True
+        try:
+            with torch.no_grad(), torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
+                lo = mod(*args, **kwargs)
+        finally:
+            self._in_local = False
+            torch.set_rng_state(now)
+            for d, s in now_cuda.items():
+                torch.cuda.set_rng_state(s, d)
+        sums = metric_sums(list(zip(_float_tensors(lo), refs)))
+        if sums is not None:
+            self._pending.append(({**tag, "scope": "local"}, sums))
+
+    # --- gradients -----------------------------------------------------------------------------------
+    def grads(self, upstream: list[torch.Tensor | None]) -> None:
+        """Push the real upstream gradient through the FP32 graph; compare per parameter."""
+        outs, self._shadow_out = self._shadow_out, []
+        self._remove_grad_hooks()         # they would also see the FP32 gradients computed below
+        pairs = [(o, g.float()) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
+        params = [p for p in self._param_names if self._param_names[p] in self._real_grads]
+        if not pairs or not params:
+            return
+        with torch.enable_grad():
+            g32 = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+        named = [(self._param_names[p], ref) for p, ref in zip(params, g32)
+                 if ref is not None and ref.numel() and ref.shape == self._real_grads[self._param_names[p]].shape]
+        if named:
+            rows = batched_sums([(self._real_grads[n], ref) for n, ref in named])
+            for (name, _), row in zip(named, rows):
+                module = name.rsplit(".", 1)[0] if "." in name else ""
+                self._pending.append(({"module": module, "param": name, "scope": "grad"}, row))
+        self._real_grads.clear()
+
+    # --- results -------------------------------------------------------------------------------------
+    def events(self) -> list[dict]:
+        """Fields of one ``divergence`` event per (module, scope[, param]); one host read for all."""
+        if not self._pending:
+            return []
+        values = torch.stack([s.to(self._pending[0][1].device) for _, s in self._pending]).tolist()
+        out = [{**tag, **finish_metrics(v)} for (tag, _), v in zip(self._pending, values)]
+        self._pending.clear()
+        return out
+
+    def ranges_by_module(self) -> dict[str, dict]:
+        """FP32 reference magnitudes per module, judged against the target dtype (with ``ranges=True``)."""
+        tmax = torch.finfo(self.dtype).max
+        result: dict[str, dict] = {}
+        for name, counts, amax in self._range:
+            nonzero, ge_under, ge_tiny, ge_over, ge_inf, _ = counts.tolist()
+            a = float(amax)
+            r = result.setdefault(name, {"absmax": 0.0, "nonzero": 0, "below_tiny": 0, "flush": 0,
+                                         "overflow": 0})
+            r["absmax"] = max(r["absmax"], a)
+            r["nonzero"] += nonzero
+            r["below_tiny"] += nonzero - ge_tiny
+            r["flush"] += nonzero - ge_under
+            r["overflow"] += ge_over
+        for r in result.values():
+            a = r["absmax"]
+            r["headroom_bits"] = (math.log2(tmax / a) if a > 0 and math.isfinite(a)
+                                  else (math.inf if a == 0 else -math.inf))
+            n = max(r.pop("nonzero"), 1)
+            r["underflow_share"] = r.pop("below_tiny") / n
+            r["flush_share"] = r.pop("flush") / n
+        return result
+
+    def _remove_grad_hooks(self) -> None:
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles.clear()
+
+    def close(self) -> None:
+        self._remove_grad_hooks()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._real.clear()
+        self._inputs.clear()
+        self._shadow_out = []
+        self._real_grads.clear()
+        self.active = False
+
+
+def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+                    dtype: torch.dtype = torch.float16, device_type: str = "cpu",
+                    local: bool = True) -> list[dict]:
+    """One forward under ``torch.autocast(device_type, dtype)`` against an FP32 forward, per module.
+
+    Returns one row per module in execution order: ``module``; global ``rel_l2``, ``cosine``, ``max_abs``,
+    ``sqnr_db``; the same prefixed ``local_`` (module alone on FP32 inputs; absent for the root); and from
+    the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
+    (values above the dtype's max), ``underflow_share`` (share of nonzero values below its smallest normal)
+    and ``flush_share`` (share that would round to zero). Buffers and RNG are left as they were.
+    """
+    root = unwrap(model)
+    probe = DivergenceProbe(root, device_type=device_type, dtype=dtype, local=local, ranges=True)
+    if not probe.usable:
+        return []
+    args, kwargs = tuple(args), dict(kwargs or {})
+    rng = {"cpu": torch.get_rng_state()}
+    try:
+        with _preserved(root, rng):
+            probe.begin(capture_grads=False)
+            with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
+                root(*args, **kwargs)
+        probe.shadow(args, kwargs, rng_state=rng, grad=False)
+        events = probe.events()
+    finally:
+        probe.close()
+    rows: dict[str, dict] = {}
+    for ev in events:
+        if ev.get("call"):
+            continue
+        row = rows.setdefault(ev["module"], {"module": ev["module"]})
+        prefix = "" if ev["scope"] == "global" else "local_"
+        for m in METRICS:
+            row[prefix + m] = ev[m]
+    for name, r in probe.ranges_by_module().items():
+        rows.setdefault(name, {"module": name}).update(r)
+    return list(rows.values())

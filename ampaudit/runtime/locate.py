@@ -1,0 +1,328 @@
+"""Find the op, module and source line that first turn finite values into inf/NaN (or raise).
+
+    events = locate_nonfinite(model, (x,), {}, device_type="cpu", dtype=torch.float16)
+    # [{"phase": "forward", "module": "mlp.act", "op": "aten.pow", "source": "net.py:9", "kind": "inf",
+    #   "cause": "op", "dtype": "torch.float16"}]
+
+Every aten op runs under a ``TorchDispatchMode``; after each op its floating outputs are checked. An op whose
+outputs are non-finite while all its inputs were finite is an *origin* (``cause="op"``); ops that merely pass
+inf/NaN along are ignored, so the first event is the culprit even when the inf stays inside a module whose
+output is finite. Non-finite values that enter from outside the computation are reported once, with
+``cause`` "parameter", "buffer" or "input". An op that raises (fp16 cannot hold a constant) gives
+``kind="error"`` with the message, instead of a crash.
+
+Attribution: a stack of module forward hooks names the innermost module whose own forward runs the op.
+For backward ops, each autograd node is mapped to the module that was innermost when the node was created:
+autograd numbers nodes in creation order, so module entries/exits are marked with the current sequence
+number and a backward node's ``_sequence_nr()`` is looked up in those intervals. Backward source lines come
+from anomaly mode's record of the forward stack.
+
+This checks every op (one host read per op), so it is for replays and offline checks, never every step:
+``ampaudit.watch`` replays a step through :func:`replay` only when its cheap per-pass flag trips.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import re
+import sys
+import traceback
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import ampaudit
+
+_SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, ampaudit))
+_TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+# Ops whose outputs are uninitialised memory: garbage there is not an overflow.
+_UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "resize_")
+
+
+def _is_user_file(filename: str) -> bool:
+    return not (filename.startswith(_SKIP_DIRS) or filename.startswith("<"))
+
+
+def _short(filename: str, line: int) -> str:
+    try:
+        rel = os.path.relpath(filename)
+        filename = rel if not rel.startswith("..") else filename
+    except ValueError:  # other drive on Windows
+        pass
+    return f"{filename}:{line}"
+
+
+def user_source(frame=None) -> str | None:
+    """``file:line`` of the innermost stack frame outside torch and ampaudit (None if there is none)."""
+    f = frame if frame is not None else sys._getframe(1)
+    while f is not None:
+        if _is_user_file(f.f_code.co_filename):
+            return _short(f.f_code.co_filename, f.f_lineno)
+        f = f.f_back
+    return None
+
+
+def _source_from_lines(lines: list[str]) -> str | None:
+    # Formatted stack entries, outermost first (anomaly mode's "traceback_" metadata).
+    for entry in reversed(lines):
+        m = _TB_FILE.search(entry)
+        if m and _is_user_file(m["file"]):
+            return _short(m["file"], int(m["line"]))
+    return None
+
+
+def module_names(root: nn.Module) -> dict[nn.Module, str]:
+    """Module -> dotted path from ``named_modules()`` ("" for the root)."""
+    names: dict[nn.Module, str] = {}
+    for name, mod in root.named_modules():
+        names.setdefault(mod, name)
+    return names
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The wrapped module of DistributedDataParallel / DataParallel, else the model itself."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+class ModuleStack:
+    """Forward hooks on every module of ``root`` tracking the innermost running module (while active)."""
+
+    def __init__(self, root: nn.Module, *, mark_nodes: bool = False):
+        self.names = module_names(root)
+        self.stack: list[str] = []
+        self.mark_nodes = mark_nodes
+        self._seq: list[int] = []          # autograd sequence numbers where the innermost module changed
+        self._owner: list[str] = []
+        self._handles: list[Any] = []
+        self._dummy = torch.zeros((), requires_grad=True)
+        self.locator: NonFiniteLocator | None = None
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def _mark(self) -> None:
+        if not self.mark_nodes:
+            return
+        if self.locator is not None:
+            self.locator.paused = True
+        try:
+            with torch.enable_grad():
+                seq = (self._dummy * 1).grad_fn._sequence_nr()
+        finally:
+            if self.locator is not None:
+                self.locator.paused = False
+        self._seq.append(seq)
+        self._owner.append(self.current)
+
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(mod, "?"))
+        self._mark()
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+        self._mark()
+
+    def owner_of_node(self, node: Any) -> str | None:
+        """Module whose forward created autograd ``node`` (None if unknown)."""
+        if node is None or not self._seq:
+            return None
+        i = bisect.bisect_right(self._seq, node._sequence_nr()) - 1
+        return self._owner[i] if i >= 0 else None
+
+    def __enter__(self) -> "ModuleStack":
+        for mod in self.names:
+            self._handles.append(mod.register_forward_pre_hook(self._pre))
+            self._handles.append(mod.register_forward_hook(self._post, always_call=True))
+        self._mark()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _float_tensors(tree: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(tree)
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in tensors if t.numel() and not bool(torch.isfinite(t).all())]
+
+
+class NonFiniteLocator(TorchDispatchMode):
+    """Dispatch mode recording origin ops of inf/NaN (and ops that raise) as event dicts in ``events``."""
+
+    def __init__(self, tracker: ModuleStack, known: dict[int, str], *, max_events: int = 20):
+        super().__init__()
+        self.tracker = tracker
+        self.known = known                  # data_ptr -> "parameter" | "buffer" | "input"
+        self.max_events = max_events
+        self.events: list[dict] = []
+        self.error: dict | None = None
+        self.paused = False
+        self.phase = "forward"
+        self._seen: set[tuple] = set()
+        self._outside_reported: set[str] = set()
+
+    def _where(self) -> tuple[str, str, str | None]:
+        # The phase is set by the caller, not read from autograd: a replay may run inside the autograd
+        # engine's final callback, where the engine still reports a graph task.
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            module = self.tracker.owner_of_node(node)
+            meta = node.metadata.get("traceback_") if node is not None else None
+            source = _source_from_lines(meta) if isinstance(meta, list) else None
+            return "backward", module if module is not None else self.tracker.current, source
+        return "forward", self.tracker.current, user_source(sys._getframe(2))
+
+    def _record(self, func: Any, kind: str, cause: str, dtype: str | None, **extra: Any) -> dict | None:
+        phase, module, source = self._where()
+        key = (phase, module, str(func.overloadpacket), source, cause)
+        if key in self._seen:
+            return None
+        self._seen.add(key)
+        event = {"phase": phase, "module": module, "op": str(func.overloadpacket), "source": source,
+                 "kind": kind, "cause": cause, "dtype": dtype, **extra}
+        self.events.append(event)
+        return event
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused or len(self.events) >= self.max_events:
+            return func(*args, **kwargs)
+        mutable = func._schema.is_mutable
+        inputs = _float_tensors((args, kwargs))
+        bad_before = _nonfinite(inputs) if mutable else None
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if self.error is None:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self.error = self._record(func, "error", "op", None, message=first[:300])
+            raise
+        if func.overloadpacket.__name__ in _UNINITIALISED:
+            return out
+        outputs = _nonfinite(_float_tensors(out))
+        if not outputs:
+            return out
+        bad_in = bad_before if mutable else _nonfinite(inputs)
+        kind = "nan" if any(bool(torch.isnan(o).any()) for o in outputs) else "inf"
+        dtype = str(outputs[0].dtype)
+        if not bad_in:
+            self._record(func, kind, "op", dtype)
+        else:
+            # inf/NaN that came from outside the computation: report once per kind of source.
+            for t in bad_in:
+                origin = self.known.get(t.data_ptr())
+                if origin is not None and origin not in self._outside_reported:
+                    self._outside_reported.add(origin)
+                    self._record(func, kind, origin, dtype)
+        return out
+
+
+@contextlib.contextmanager
+def _preserved(root: nn.Module, rng_state: dict | None) -> Iterator[None]:
+    """Run a replay without side effects: buffers (BatchNorm running stats) and RNG are restored."""
+    saved = {name: b.detach().clone() for name, b in root.named_buffers()}
+    cuda_devices = list(rng_state.get("cuda", {})) if rng_state else []
+    with torch.random.fork_rng(devices=cuda_devices, enabled=True):
+        if rng_state:
+            torch.set_rng_state(rng_state["cpu"])
+            for dev, state in rng_state.get("cuda", {}).items():
+                torch.cuda.set_rng_state(state, dev)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in root.named_buffers():
+                    if name in saved and b.shape == saved[name].shape:
+                        b.copy_(saved[name])
+
+
+def capture_rng(tensors: list[torch.Tensor]) -> dict:
+    """RNG state needed to replay a forward that sees ``tensors`` (CPU, plus their CUDA devices)."""
+    state: dict = {"cpu": torch.get_rng_state()}
+    devs = {t.device.index or 0 for t in tensors if t.is_cuda}
+    if devs:
+        state["cuda"] = {d: torch.cuda.get_rng_state(d) for d in devs}
+    return state
+
+
+def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_type: str = "cpu",
+           dtype: torch.dtype = torch.float16, autocast: bool = True, rng_state: dict | None = None,
+           upstream: list[torch.Tensor | None] | None = None, max_events: int = 20) -> list[dict]:
+    """Re-run ``root(*args, **kwargs)`` (and, given ``upstream`` gradients of its floating outputs, its
+    backward into the parameters) under the locator; return origin events in execution order.
+
+    Nothing is written: parameter ``.grad`` is untouched (``torch.autograd.grad``), buffers and RNG are
+    restored. A forward that raises yields a ``kind="error"`` event instead of an exception.
+    """
+    kwargs = kwargs or {}
+    backward = upstream is not None and any(g is not None for g in upstream)
+    known: dict[int, str] = {}
+    for t in _float_tensors((args, kwargs)):
+        known[t.data_ptr()] = "input"
+    for g in upstream or []:
+        if g is not None:
+            known[g.data_ptr()] = "input"
+    for _, b in root.named_buffers():
+        known[b.data_ptr()] = "buffer"
+    for _, p in root.named_parameters():
+        known[p.data_ptr()] = "parameter"
+    tracker = ModuleStack(root, mark_nodes=backward)
+    locator = NonFiniteLocator(tracker, known, max_events=max_events)
+    tracker.locator = locator
+    grad_ctx = torch.enable_grad() if backward else torch.no_grad()
+    with _preserved(root, rng_state), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anomaly mode announces itself
+        anomaly = torch.autograd.detect_anomaly(check_nan=False) if backward else contextlib.nullcontext()
+        try:
+            with tracker, grad_ctx, anomaly, torch.autocast(device_type, dtype=dtype, enabled=autocast):
+                with locator:
+                    out = root(*args, **kwargs)
+        except Exception as exc:  # the forward raised: report where, not a traceback
+            if locator.error is None:
+                locator.events.append(_python_error(exc, tracker.current))
+            return locator.events
+        if backward:
+            outs = [o for o in _float_tensors(out) if o.requires_grad]
+            pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
+            params = [p for p in root.parameters() if p.requires_grad]
+            if pairs and params:
+                locator.phase = "backward"
+                with locator:
+                    torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs],
+                                        allow_unused=True)
+    return locator.events
+
+
+def _python_error(exc: BaseException, module: str) -> dict:
+    source = None
+    for entry in reversed(traceback.extract_tb(exc.__traceback__)):
+        if _is_user_file(entry.filename):
+            source = _short(entry.filename, entry.lineno or 0)
+            break
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return {"phase": "forward", "module": module, "op": None, "source": source, "kind": "error",
+            "cause": "op", "dtype": None, "message": f"{type(exc).__name__}: {first}"[:300]}
+
+
+def locate_nonfinite(model: nn.Module, args: tuple, kwargs: dict | None = None, *, device_type: str = "cpu",
+                     dtype: torch.dtype = torch.float16) -> list[dict]:
+    """Run one forward of ``model`` under ``torch.autocast(device_type, dtype)`` and return its non-finite
+    origins in execution order (each: phase, module, op, source, kind, cause, dtype); ``[]`` when clean.
+
+    For ``check --calibrate``: a forward that raises under autocast gives a ``kind="error"`` event naming
+    the module, op and line (``message`` holds the error). Buffers and RNG are left as they were.
+    """
+    return replay(unwrap(model), tuple(args), dict(kwargs or {}), device_type=device_type, dtype=dtype)

@@ -1,0 +1,248 @@
+"""Per-module tensor statistics, accumulated on the tensors' device and read once per interval.
+
+    acc = StatsAccumulator(target=torch.float16)
+    slot = acc.slot("mlp.fc", "forward")
+    acc.observe(slot, tensor, full=True)      # inside a hook: queues device ops, never reads a value
+    nonfinite_slots = acc.end_pass()          # once per forward/backward pass: ONE host read
+    records = acc.drain()                     # once per interval: list of ``stats`` event fields
+
+Two tiers keep the hot path cheap (measured on CPU: counting costs ~10x a max):
+- every pass, every tensor: ``absmax`` (abs + amax, two kernels). A NaN/inf makes it non-finite, so the
+  same number doubles as the per-module non-finite flag; ``end_pass`` stacks the pass's maxima and reads
+  one boolean (the same single sync a GradScaler makes per step).
+- on "full" passes (one in ``counts_every``): exact counts of zeros, values that would flush to zero or be
+  subnormal in the target dtype, values above its max, inf and NaN, and the smallest nonzero magnitude.
+
+Counting uses the float's bit pattern: with the sign bit cleared, an IEEE float's bits order like its
+magnitude, so "|x| >= threshold" is an integer compare. ``count_ge`` does that compare with an add that
+overflows into the sign bit and a shift, because on CPU a compare-to-bool plus sum is ~3x slower.
+Thresholds are those of the *target* dtype (the one autocast lowers to), expressed in the tensor's own
+dtype: an fp32 residual stream is judged by whether it would fit fp16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Signed integer dtype with the same width as each float dtype (bit-pattern views).
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+# Count columns of the accumulator, in order.
+COUNT_FIELDS = ("nonzero", "ge_underflow", "ge_tiny", "ge_over", "ge_inf", "ge_nan")
+
+
+@dataclass(frozen=True)
+class _Thresholds:
+    """Bit-pattern thresholds of one (tensor dtype, target dtype) pair."""
+
+    itype: torch.dtype
+    width: int
+    underflow: int      # |x| below this rounds to zero in the target dtype
+    tiny: int           # smallest normal of the target dtype
+    over: int           # first magnitude above the target dtype's max
+    inf: int            # bits of +inf in the tensor's dtype (NaN bits are larger)
+
+
+def _bits(value: float, dtype: torch.dtype) -> int:
+    return int(torch.tensor(value, dtype=torch.float64).to(dtype).view(_INT_VIEW[dtype]).item())
+
+
+_THRESHOLDS: dict[tuple[torch.dtype, torch.dtype], _Thresholds] = {}
+
+
+def thresholds(dtype: torch.dtype, target: torch.dtype) -> _Thresholds:
+    """Bit thresholds for tensors of ``dtype`` judged against ``target`` (cached)."""
+    key = (dtype, target)
+    if key not in _THRESHOLDS:
+        fi, ti = torch.finfo(dtype), torch.finfo(target)
+        inf = _bits(math.inf, dtype)
+        smallest_subnormal = ti.tiny * ti.eps
+        underflow = max(1, _bits(smallest_subnormal / 2, dtype))
+        tiny = max(underflow, _bits(ti.tiny, dtype))
+        over = inf if ti.max >= fi.max else max(tiny, _bits(ti.max, dtype) + 1)
+        _THRESHOLDS[key] = _Thresholds(_INT_VIEW[dtype], fi.bits, underflow, tiny, over, inf)
+    return _THRESHOLDS[key]
+
+
+def magnitude_bits(t: torch.Tensor) -> torch.Tensor:
+    """|t| viewed as signed integers of the same width: monotone in magnitude, NaN above inf."""
+    return t.detach().abs().view(_INT_VIEW[t.dtype])
+
+
+def count_ge(bits: torch.Tensor, threshold: int, width: int) -> torch.Tensor:
+    """0-d int64 device tensor: how many ``bits >= threshold`` (threshold >= 1), without a bool pass."""
+    # bits + (2^(w-1) - threshold) reaches the sign bit exactly when bits >= threshold; the arithmetic
+    # shift turns that into -1, everything else into 0.
+    return torch.count_nonzero((bits + ((1 << (width - 1)) - threshold)) >> (width - 1))
+
+
+def full_counts(t: torch.Tensor, target: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts[6] int64, min_nonzero 0-d float32)`` of one float tensor, all on its device."""
+    th = thresholds(t.dtype, target)
+    bits = magnitude_bits(t)
+    nonzero = torch.count_nonzero(bits)
+    cols = [nonzero]
+    for thr in (th.underflow, th.tiny, th.over, th.inf, th.inf + 1):
+        cols.append(nonzero if thr == 1 else count_ge(bits, thr, th.width))
+    counts = torch.stack(cols)
+    # zero -> all ones (largest), so amin finds the smallest nonzero; +1 undoes the shift.
+    mask = (1 << (th.width - 1)) - 1
+    min_bits = ((bits - 1) & mask).amin().clamp(max=th.inf - 1) + 1   # all zero -> inf -> reported None
+    min_nz = min_bits.to(th.itype).view(t.dtype).float()
+    return counts, min_nz
+
+
+def extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d device tensors (min, max) of ``t``; NaN propagates, so they double as the non-finite flag."""
+    t = t.detach()
+    # Measured on CPU: aminmax is the fastest for 16-bit floats, separate amin/amax for fp32 (and both beat
+    # abs().amax(), which also allocates a copy).
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.aminmax(t)
+    return t.amin(), t.amax()
+
+
+class StatsAccumulator:
+    """Accumulators for (module, phase) slots; see the module docstring for the calling pattern."""
+
+    def __init__(self, target: torch.dtype = torch.float16):
+        self.target = target
+        self.names: list[tuple[str, str]] = []
+        self._index: dict[tuple[str, str], int] = {}
+        self._device: torch.device | None = None
+        # This pass: dtype -> (slots, minima, maxima). ``_last``: the last tensor seen and its results; a
+        # container returning its last child's output sees that same tensor right after the child does.
+        self._pass_max: dict[torch.dtype, tuple[list[int], list, list]] = {}
+        self._last: tuple | None = None
+        self._reset()
+
+    def slot(self, module: str, phase: str) -> int:
+        """Index of the (module, phase) slot, created on first use."""
+        key = (module, phase)
+        if key not in self._index:
+            self._index[key] = len(self.names)
+            self.names.append(key)
+        return self._index[key]
+
+    def _reset(self) -> None:
+        self._absmax: torch.Tensor | None = None
+        self._nonfinite_passes: torch.Tensor | None = None
+        self._counts: dict[int, torch.Tensor] = {}
+        self._min_nz: dict[int, torch.Tensor] = {}
+        self._numel: dict[int, int] = {}
+        self._observed: dict[int, int] = {}
+        self._full_passes: dict[int, int] = {}
+
+    def observe(self, slot: int, t: torch.Tensor, *, full: bool) -> None:
+        """Queue statistics of ``t`` (a floating tensor) for ``slot``; reads nothing back."""
+        if self._device is None:
+            self._device = t.device
+        seen = self._last
+        if seen is not None and seen[0] is t:
+            # The same tensor again (a container returning its last child's output): reuse its results.
+            amax, counts, min_nz = seen[1], seen[2], seen[3]
+        else:
+            amax = extremes(t)
+            counts = min_nz = None
+            if full:
+                counts, min_nz = full_counts(t, self.target)
+                if t.device != self._device:
+                    counts, min_nz = counts.to(self._device), min_nz.to(self._device)
+            self._last = (t, amax, counts, min_nz)
+        group = self._pass_max.setdefault(t.dtype, ([], [], []))
+        group[0].append(slot)
+        group[1].append(amax[0])
+        group[2].append(amax[1])
+        if counts is not None:
+            if slot in self._counts:
+                self._counts[slot] += counts
+                self._min_nz[slot] = torch.minimum(self._min_nz[slot], min_nz)
+            else:
+                self._counts[slot], self._min_nz[slot] = counts.clone(), min_nz
+            self._numel[slot] = self._numel.get(slot, 0) + t.numel()
+
+    def end_pass(self, *, full: bool = False) -> list[tuple[str, str]]:
+        """Fold this pass's maxima into the interval; return the (module, phase) slots that saw inf/NaN.
+
+        This is the one host read per pass (a single boolean; the slot list is read only when it is true).
+        """
+        self._last = None
+        if not self._pass_max:
+            return []
+        n = len(self.names)
+        dev = self._device
+        if self._absmax is None or self._absmax.numel() < n:
+            grown = torch.zeros(n, dtype=torch.float32, device=dev)
+            bad = torch.zeros(n, dtype=torch.int64, device=dev)
+            if self._absmax is not None:
+                grown[: self._absmax.numel()] = self._absmax
+                bad[: self._nonfinite_passes.numel()] = self._nonfinite_passes
+            self._absmax, self._nonfinite_passes = grown, bad
+        slot_list: list[int] = []
+        parts = []
+        for slots_of, mins, maxs in self._pass_max.values():   # one stack per dtype, not a cast per tensor
+            slot_list += slots_of
+            lo = torch.stack(mins).to(dev, torch.float32)
+            hi = torch.stack(maxs).to(dev, torch.float32)
+            parts.append(torch.maximum(-lo, hi))                     # NaN in either stays NaN
+        vals = torch.cat(parts) if len(parts) > 1 else parts[0]
+        slots = torch.tensor(slot_list, device=dev)
+        nonfinite = ~torch.isfinite(vals)
+        # NaN would poison the max: a non-finite tensor counts as absmax = inf (no headroom left).
+        self._absmax.scatter_reduce_(0, slots, vals.nan_to_num(nan=math.inf), "amax")
+        per_slot = torch.zeros_like(self._nonfinite_passes).scatter_reduce_(0, slots, nonfinite.long(), "amax")
+        self._nonfinite_passes += per_slot
+        for s in set(slot_list):
+            self._observed[s] = self._observed.get(s, 0) + 1
+            if full:
+                self._full_passes[s] = self._full_passes.get(s, 0) + 1
+        self._pass_max = {}
+        if not bool(per_slot.any()):
+            return []
+        return [self.names[i] for i in per_slot.nonzero().flatten().tolist()]
+
+    def drain(self) -> list[dict]:
+        """Statistics of the passes ended so far, one dict per observed slot (``stats`` event fields); resets.
+
+        A pass still open (forward done, backward pending) stays queued for the next interval.
+        """
+        if self._absmax is None:
+            return []
+        absmax = self._absmax.tolist()
+        bad = self._nonfinite_passes.tolist()
+        keys = sorted(self._counts)
+        counts = torch.stack([self._counts[k] for k in keys]).tolist() if keys else []
+        mins = torch.stack([self._min_nz[k] for k in keys]).tolist() if keys else []
+        by_slot = {k: (c, m) for k, c, m in zip(keys, counts, mins)}
+        tmax = torch.finfo(self.target).max
+        out = []
+        for slot in sorted(self._observed):
+            module, phase = self.names[slot]
+            amax = absmax[slot]
+            rec: dict = {"module": module, "phase": phase, "absmax": amax,
+                         "headroom_bits": _headroom(tmax, amax), "nonfinite_passes": bad[slot],
+                         "passes": self._observed[slot], "counted_passes": self._full_passes.get(slot, 0)}
+            if slot in by_slot:
+                (nonzero, ge_under, ge_tiny, ge_over, ge_inf, ge_nan), mn = by_slot[slot]
+                numel = self._numel[slot]
+                rec.update(min_nonzero=None if not math.isfinite(mn) else mn, numel=numel,
+                           zeros=numel - nonzero, underflow=nonzero - ge_under,
+                           subnormal=nonzero - ge_tiny, overflow=ge_over - ge_inf,
+                           inf=ge_inf - ge_nan, nan=ge_nan)
+            else:
+                rec.update(min_nonzero=None, numel=0, zeros=None, underflow=None, subnormal=None,
+                           overflow=None, inf=None, nan=None)
+            out.append(rec)
+        self._reset()
+        return out
+
+
+def _headroom(tmax: float, absmax: float) -> float:
+    # log2(dtype max / absmax): bits of magnitude left before overflow (negative: already past it).
+    if not math.isfinite(absmax):
+        return -math.inf
+    if absmax <= 0:
+        return math.inf
+    return math.log2(tmax / absmax)

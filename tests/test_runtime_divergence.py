@@ -1,0 +1,69 @@
+"""FP32 shadow comparisons: metric arithmetic, compare_to_fp32 on planted and benign models."""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ampaudit.runtime.divergence import batched_sums, compare_to_fp32, finish_metrics, metric_sums
+
+PLANTED = Path(__file__).parents[1].parent / "shared" / "planted"
+
+
+def load_planted(name: str):
+    if not PLANTED.is_dir():
+        pytest.skip(f"planted models not found at {PLANTED}")
+    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_metrics_match_their_definitions():
+    torch.manual_seed(0)
+    b = torch.randn(1000)
+    a = b + 0.01 * torch.randn(1000)
+    m = finish_metrics(metric_sums([(a, b)]).tolist())
+    d = a - b
+    assert m["rel_l2"] == pytest.approx((d.norm() / b.norm()).item(), rel=1e-4)
+    assert m["cosine"] == pytest.approx(torch.nn.functional.cosine_similarity(a, b, 0).item(), abs=1e-6)
+    assert m["max_abs"] == pytest.approx(d.abs().max().item(), rel=1e-6)
+    assert m["sqnr_db"] == pytest.approx(20 * math.log10(b.norm() / d.norm()), rel=1e-4)
+    same = finish_metrics(metric_sums([(b, b)]).tolist())
+    assert same == {"rel_l2": 0.0, "cosine": 1.0, "max_abs": 0.0, "sqnr_db": math.inf}
+    rows = batched_sums([(a[:10], b[:10]), (a, b)])
+    assert torch.allclose(rows[1], metric_sums([(a, b)]), rtol=1e-4)
+
+
+def test_compare_to_fp32_on_a_benign_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    rows = {r["module"]: r for r in compare_to_fp32(model, (torch.randn(4, 16),), {}, dtype=torch.bfloat16)}
+    assert set(rows) == {"0", "1", "2", ""}
+    for name, r in rows.items():
+        assert r["cosine"] > 0.999 and r["rel_l2"] < 0.02 and r["sqnr_db"] > 30, (name, r)
+        assert r["headroom_bits"] > 100                      # bf16 has fp32's range
+    assert "local_rel_l2" in rows["2"] and "local_rel_l2" not in rows[""]
+    assert rows["1"]["local_rel_l2"] < rows["1"]["rel_l2"] + 1e-9   # tanh alone adds little error
+
+
+def test_compare_to_fp32_flags_the_overflowing_pool():
+    planted = load_planted("cumsum_pool")
+    rows = {r["module"]: r for r in compare_to_fp32(planted.build_model(), planted.example_inputs(), {},
+                                                     dtype=torch.float16)}
+    pool = rows["pool"]
+    assert pool["headroom_bits"] > 0                       # its output fits fp16 ...
+    assert not (pool["rel_l2"] < 0.01)                     # ... but the fp16 run is ruined (inf/NaN)
+    assert rows["enc"]["rel_l2"] < 0.01                    # upstream of the culprit all is well
+
+
+def test_compare_to_fp32_reports_ranges_and_underflow_share():
+    planted = load_planted("gelu_cube")
+    rows = {r["module"]: r for r in compare_to_fp32(planted.build_model(), planted.example_inputs(), {})}
+    up = rows["mlp.up"]
+    assert up["absmax"] > 25 and 0 < up["headroom_bits"] < 16 and up["overflow"] == 0
+    assert 0.0 <= rows["mlp.act"]["underflow_share"] <= 1.0

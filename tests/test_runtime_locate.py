@@ -1,0 +1,102 @@
+"""First non-finite origin: planted fp16 faults name EXPECT's culprit, forward and backward."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ampaudit.runtime.locate import locate_nonfinite, replay
+
+PLANTED = Path(__file__).parents[1].parent / "shared" / "planted"
+
+
+def load_planted(name: str):
+    if not PLANTED.is_dir():
+        pytest.skip(f"planted models not found at {PLANTED}")
+    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["mask_fill", "gelu_cube", "cumsum_pool"])
+def test_first_forward_origin_is_expected_culprit(name):
+    planted = load_planted(name)
+    model = planted.build_model()
+    events = locate_nonfinite(model, planted.example_inputs(), {}, device_type="cpu", dtype=torch.float16)
+    assert events, f"{name}: no non-finite origin found"
+    first = events[0]
+    assert first["module"] == planted.EXPECT["culprit"]
+    assert first["phase"] == "forward" and first["cause"] == "op" and first["kind"] in ("inf", "nan")
+    assert first["op"].startswith("aten.")
+    assert first["source"] and first["source"].endswith(".py:" + first["source"].rsplit(":", 1)[1])
+    assert f"{name}.py:" in first["source"]
+
+
+def test_gelu_cube_origin_is_the_cube_even_though_module_output_is_finite():
+    planted = load_planted("gelu_cube")
+    model = planted.build_model()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model(*planted.example_inputs())).all()   # silent: nothing escapes
+    events = locate_nonfinite(model, planted.example_inputs(), {})
+    assert events[0]["module"] == "mlp.act" and events[0]["op"] == "aten.pow"
+    assert events[0]["source"].endswith("gelu_cube.py:8")
+
+
+def test_raising_forward_is_reported_not_raised():
+    planted = load_planted("mask_fill_crash")
+    events = locate_nonfinite(planted.build_model(), planted.example_inputs(), {})
+    assert len(events) == 1
+    ev = events[0]
+    assert ev["kind"] == "error" and ev["module"] == planted.EXPECT["culprit"]
+    assert ev["op"] == "aten.masked_fill" and "overflow" in ev["message"]
+    assert ev["source"].endswith("mask_fill_crash.py:12")
+
+
+def test_clean_models_give_no_events():
+    for name in ("tiny_grads", "misaligned_mlp"):
+        planted = load_planted(name)
+        assert locate_nonfinite(planted.build_model(), planted.example_inputs(), {}) == []
+
+
+class _Boost(nn.Module):
+    def forward(self, x):
+        return x * 3000.0          # forward stays small; its backward multiplies the gradient by 3000
+
+
+class _BackwardOverflow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8, bias=False)
+        self.boost = _Boost()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.boost(self.inp(x))))
+
+
+def test_backward_origin_names_module_whose_backward_overflows():
+    torch.manual_seed(0)
+    model = _BackwardOverflow()
+    x = torch.randn(4, 8) * 1e-4
+    upstream = [torch.full((4, 1), 1000.0)]
+    events = replay(model, (x,), {}, dtype=torch.float16, upstream=upstream)
+    backward = [e for e in events if e["phase"] == "backward"]
+    assert not [e for e in events if e["phase"] == "forward"]
+    assert backward and backward[0]["module"] == "boost" and backward[0]["cause"] == "op"
+    assert backward[0]["source"] and "test_runtime_locate.py" in backward[0]["source"]
+    assert all(p.grad is None for p in model.parameters())       # replays never touch .grad
+
+
+def test_replay_leaves_buffers_and_rng_untouched():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    replay(model, (x,), {}, dtype=torch.bfloat16)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -1,0 +1,282 @@
+"""ampaudit.watch inside ordinary training loops: non-finite origins, statistics, skips, hooks, trace."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ampaudit.runtime.trace import TraceWriter, read_trace
+from ampaudit.runtime.watch import NonFiniteError, Watch, watch
+
+PLANTED = Path(__file__).parents[1].parent / "shared" / "planted"
+
+
+def load_planted(name: str):
+    if not PLANTED.is_dir():
+        pytest.skip(f"planted models not found at {PLANTED}")
+    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def train(planted, model, w: Watch, steps: int, *, autocast: bool = True, half: bool = False):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step, (x, y) in enumerate(itertools.islice(planted.train_data(), steps)):
+        w.set_step(step)
+        x = x if isinstance(x, tuple) else (x,)
+        if half:
+            x = tuple(t.half() if t.is_floating_point() else t for t in x)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            out = model(*x)
+        loss = planted.loss_fn(out, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        w.after_backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):
+            opt.step()
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["mask_fill", "gelu_cube", "cumsum_pool"])
+def test_first_nonfinite_event_names_culprit_in_a_loop(name):
+    planted = load_planted(name)
+    model = planted.build_model()
+    with watch(model, every=2) as w:
+        train(planted, model, w, 3)
+    assert w.nonfinite, f"{name}: no nonfinite event"
+    first = w.nonfinite[0]
+    assert first["module"] == planted.EXPECT["culprit"]
+    assert first["phase"] == "forward" and first["step"] == 0 and f"{name}.py:" in first["source"]
+
+
+def test_forward_that_raises_is_recorded_when_the_loop_exits():
+    planted = load_planted("mask_fill_crash")
+    model = planted.build_model()
+    with pytest.raises(RuntimeError, match="overflow"):
+        with watch(model) as w:
+            train(planted, model, w, 1)
+    assert w.nonfinite and w.nonfinite[0]["kind"] == "error" and w.nonfinite[0]["module"] == "attn"
+    assert hook_count(model) == 0
+
+
+def test_tiny_grads_backward_stats_show_gradients_flushing_to_zero():
+    planted = load_planted("tiny_grads")
+    model = planted.build_model().half()            # fp16 training, no loss scaling
+    with watch(model, every=2) as w:
+        train(planted, model, w, 2, autocast=False, half=True)
+    stats = [e for e in w.events if e["event"] == "stats"]
+    back = {e["module"]: e for e in stats if e["phase"] == "backward"}
+    fwd = {e["module"]: e for e in stats if e["phase"] == "forward"}
+    for name in ("head", "body.2", "body.0"):
+        assert back[name]["zeros"] == back[name]["numel"] > 0, name        # every gradient flushed
+        assert back[name]["absmax"] == 0.0
+        assert fwd[name]["zeros"] < fwd[name]["numel"], name               # activations are fine
+    # In fp32 the same loss gives nonzero gradients: the zeros come from fp16, not from the model.
+    ref = planted.build_model()
+    x, y = next(iter(planted.train_data()))
+    planted.loss_fn(ref(x), y).backward()
+    assert ref.head.weight.grad.abs().max() > 0
+
+
+def test_tiny_grads_under_autocast_counts_underflow_at_the_output():
+    planted = load_planted("tiny_grads")
+    model = planted.build_model()
+    with watch(model, every=1) as w:
+        train(planted, model, w, 1)
+        w.flush()
+    top = [e for e in w.events if e["event"] == "stats" and e["phase"] == "backward" and e["module"] == "head"]
+    assert top and top[0]["zeros"] == top[0]["numel"]
+
+
+def test_close_removes_every_hook_and_stops_recording():
+    planted = load_planted("gelu_cube")
+    model = planted.build_model()
+    before = hook_count(model)
+    w = watch(model, every=1, divergence_every=1)
+    assert hook_count(model) > before
+    train(planted, model, w, 2)
+    w.close()
+    assert hook_count(model) == before
+    assert all(not p._backward_hooks for p in model.parameters())
+    n = len(w.events)
+    train(planted, model, w, 1)
+    assert len(w.events) == n
+
+
+def test_divergence_events_are_sane_for_a_benign_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, every=10, divergence_every=2, dtype=torch.bfloat16) as w:
+        for step in range(3):
+            x = torch.randn(8, 16)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = out.float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    div = w.divergence
+    assert {e["step"] for e in div} == {0, 2}
+    scopes = {(e["module"], e["scope"]) for e in div if e["step"] == 0}
+    assert ("0", "global") in scopes and ("3", "local") in scopes and ("", "global") in scopes
+    for e in div:
+        assert 0.99 < e["cosine"] <= 1.0 + 1e-6, e
+        assert 0.0 <= e["rel_l2"] < 0.05, e
+        assert e["sqnr_db"] > 20, e
+    grads = [e for e in div if e["scope"] == "grad"]
+    assert {e["param"] for e in grads} == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    # Dropout masks are the same in the shadow: otherwise the global error would be huge.
+    assert max(e["rel_l2"] for e in div if e["module"] == "" and e["scope"] == "global") < 0.05
+
+
+def test_statistics_are_sampled_but_nonfinite_is_checked_every_pass():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with watch(model, every=100, stats_every=3, locate_first=False) as w:
+        for step in range(7):
+            x = torch.randn(2, 4)
+            if step == 5:
+                x[0, 0] = float("nan")                  # an unsampled pass (5 % 3 != 0)
+            model(x).sum().backward()
+        w.flush()
+    stats = {(e["module"], e["phase"]): e for e in w.events if e["event"] == "stats"}
+    assert stats[("0", "forward")]["passes"] == 3           # passes 0, 3, 6
+    assert stats[("0", "forward")]["counted_passes"] == 1   # exact counts on the first sampled pass
+    located = w.nonfinite
+    assert located and located[0]["step"] == 5 and located[0]["cause"] == "input"
+
+
+def test_skip_attribution_names_parameter_with_injected_inf():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with watch(model, locate_first=False) as w:
+        model(torch.randn(2, 4)).sum().backward()
+        model[2].weight.grad[0, 1] = float("inf")
+        result = w.on_skipped_step(65536.0)
+    assert result == {"params": ["2.weight"], "modules": ["2"]}
+    skip = [e for e in w.events if e["event"] == "skip"][0]
+    assert skip["scale"] == 65536.0 and skip["params"] == ["2.weight"]
+
+
+def test_raise_on_nonfinite_raises_from_backward_after_writing_the_event():
+    planted = load_planted("mask_fill")
+    model = planted.build_model()
+    w = watch(model, raise_on_nonfinite=True)
+    with pytest.raises(NonFiniteError, match="attn"):
+        train(planted, model, w, 1)
+    w.close()
+    assert w.nonfinite[0]["module"] == "attn"
+
+
+def test_trace_file_and_truncated_last_line(tmp_path):
+    planted = load_planted("gelu_cube")
+    model = planted.build_model()
+    path = tmp_path / "run.jsonl"
+    with watch(model, trace=path, every=2, divergence_every=2, stats_every=1) as w:
+        train(planted, model, w, 4)
+    events, problems = read_trace(path)
+    assert not problems
+    assert events[0]["event"] == "meta" and events[0]["source"] == "watch" and events[0]["dtype"] == "float16"
+    kinds = {e["event"] for e in events}
+    assert {"stats", "nonfinite", "divergence"} <= kinds
+    stats = [e for e in events if e["event"] == "stats"]
+    assert {e["step"] for e in stats} == {1, 3}
+    for rec in stats:
+        for key in ("module", "phase", "absmax", "min_nonzero", "inf", "nan", "zeros", "subnormal", "numel",
+                    "headroom_bits"):
+            assert rec[key] is not None or key == "min_nonzero", (key, rec)
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+    text = path.read_text()
+    path.write_text(text + '{"event": "stats", "step": 9, "mod')           # killed mid-write
+    events2, problems2 = read_trace(path)
+    assert len(events2) == len(events) and len(problems2) == 1 and "truncated" in problems2[0]
+
+
+def test_shared_trace_writer_gets_no_meta_line(tmp_path):
+    path = tmp_path / "shared.jsonl"
+    model = nn.Linear(3, 3)
+    with TraceWriter(path) as tw:
+        tw.write("meta", version=1, source="train")
+        with watch(model, trace=tw, every=1, locate_first=False) as w:
+            model(torch.randn(2, 3)).sum().backward()
+        tw.write("step", step=0, loss=1.0)
+    events, _ = read_trace(path)
+    assert [e["event"] for e in events].count("meta") == 1
+    assert events[-1]["event"] == "step"
+
+
+def test_bad_arguments_are_usage_errors():
+    from ampaudit.errors import UsageError
+    with pytest.raises(UsageError):
+        watch(nn.Linear(2, 2), every=0)
+    with pytest.raises(UsageError):
+        watch("not a model")
+    with pytest.raises(UsageError):
+        watch(nn.Linear(2, 2), dtype=torch.int8)
+
+
+def test_ddp_wrapped_model_is_unwrapped_for_names(tmp_path):
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        planted = load_planted("mask_fill")
+        inner = planted.build_model()
+        model = nn.parallel.DistributedDataParallel(inner)
+        before = hook_count(inner)
+        with watch(model, every=1, divergence_every=1) as w:
+            train(planted, model, w, 1)
+        assert w.nonfinite[0]["module"] == "attn"
+        assert hook_count(inner) == before
+    finally:
+        dist.destroy_process_group()
+
+
+class _Boost(nn.Module):
+    def forward(self, x):
+        return x * 3000.0          # small forward; the backward multiplies gradients by 3000
+
+
+class _BackwardOverflow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8, bias=False)
+        self.boost = _Boost()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.boost(self.inp(x))))
+
+
+def test_skipped_step_replays_and_locates_a_backward_overflow():
+    torch.manual_seed(0)
+    model = _BackwardOverflow()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, stats_every=1000, locate_first=False) as w:
+        for step in range(2):                  # pass 0 is sampled; pass 1 relies on the skip
+            w.set_step(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, 8) * 1e-4)
+            opt.zero_grad()
+            scaler.scale(out.float().sum()).backward()
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                info = w.on_skipped_step(scale)
+                assert "inp.weight" in info["params"]
+    back = [e for e in w.nonfinite if e["phase"] == "backward"]
+    assert back and back[0]["module"] == "boost" and back[0]["cause"] == "op"
