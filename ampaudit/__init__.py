@@ -25,6 +25,9 @@ _EXPORTS = {
     "fix": "ampaudit.fix.api",
     "keep_fp32": "ampaudit.fix.keep_fp32",
     "AmpAuditError": "ampaudit.errors",
+    "NonFiniteError": "ampaudit.runtime.watch",
+    "locate_nonfinite": "ampaudit.runtime.locate",
+    "compare_to_fp32": "ampaudit.runtime.divergence",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

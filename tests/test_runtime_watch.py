@@ -165,7 +165,7 @@ def test_skip_attribution_names_parameter_with_injected_inf():
         model[2].weight.grad[0, 1] = float("inf")
         result = w.on_skipped_step(65536.0)
     assert result == {"params": ["2.weight"], "modules": ["2"]}
-    skip = [e for e in w.events if e["event"] == "skip"][0]
+    skip = next(e for e in w.events if e["event"] == "skip")
     assert skip["scale"] == 65536.0 and skip["params"] == ["2.weight"]
 
 
@@ -208,7 +208,7 @@ def test_shared_trace_writer_gets_no_meta_line(tmp_path):
     model = nn.Linear(3, 3)
     with TraceWriter(path) as tw:
         tw.write("meta", version=1, source="train")
-        with watch(model, trace=tw, every=1, locate_first=False) as w:
+        with watch(model, trace=tw, every=1, locate_first=False):
             model(torch.randn(2, 3)).sum().backward()
         tw.write("step", step=0, loss=1.0)
     events, _ = read_trace(path)
@@ -280,3 +280,14 @@ def test_skipped_step_replays_and_locates_a_backward_overflow():
                 assert "inp.weight" in info["params"]
     back = [e for e in w.nonfinite if e["phase"] == "backward"]
     assert back and back[0]["module"] == "boost" and back[0]["cause"] == "op"
+
+
+def test_eval_loop_inside_autocast_locates_an_overflowing_weight_cast():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = 1e5                 # fits fp32, not fp16: the autocast cast overflows
+    with watch(model) as w:
+        with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+            model(torch.randn(2, 4))
+    first = w.nonfinite[0]
+    assert first["module"] == "1" and first["op"] == "aten._to_copy" and first["cause"] == "op"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ampaudit.runtime.locate import _float_tensors, _preserved, module_names, unwrap
+from ampaudit.runtime.locate import float_tensors, preserved, module_names, unwrap
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -45,7 +45,7 @@ _LOW = (torch.float16, torch.bfloat16)
 # a check then cost a few passes over at most this many elements per module instead of over every
 # activation, which on CPU costs as much as the shadow forward itself. rel_l2, cosine and SQNR are
 # estimated without bias; max_abs is the maximum over the sampled elements.
-METRIC_SAMPLE = 32768
+METRIC_SAMPLE = 16384
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -109,9 +109,9 @@ class DivergenceProbe:
     """One divergence check of ``root`` (see the module docstring for the order of calls)."""
 
     def __init__(self, root: nn.Module, *, device_type: str = "cpu", dtype: torch.dtype = torch.float16,
-                 local: bool | str = True, ranges: bool = False):
+                 local: bool | str = True, ranges: bool = False, names: dict[nn.Module, str] | None = None):
         self.root = unwrap(root)
-        self.names = module_names(self.root)
+        self.names = names if names is not None else module_names(self.root)
         self.device_type, self.dtype = device_type, dtype
         self.local, self.ranges = local, ranges
         leaves = {m for m in self.names if next(m.children(), None) is None}
@@ -153,7 +153,7 @@ class DivergenceProbe:
             return
         # Cloned: the caller may modify the output in place later (``out += identity``).
         clones = []
-        for t in _float_tensors(out):
+        for t in float_tensors(out):
             if self._last_real is not None and self._last_real[0] is t:
                 clones.append(self._last_real[1])
             else:
@@ -181,18 +181,18 @@ class DivergenceProbe:
         self._in_shadow = True
         self._last_real = None
         try:
-            with _preserved(self.root, rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False):
+            with preserved(self.root, rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False):
                 out = self.root(*_upcast(args), **_upcast(kwargs))
         finally:
             self._in_shadow = False
         self._real.clear()
         self._last_ref = None
-        self._shadow_out = [t for t in _float_tensors(out) if t.requires_grad] if grad else []
+        self._shadow_out = [t for t in float_tensors(out) if t.requires_grad] if grad else []
 
     def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._in_local or mod not in self._local_mods:
             return
-        flat = _float_tensors((args, kwargs))
+        flat = float_tensors((args, kwargs))
         state = torch.get_rng_state()
         cuda = {t.device.index or 0 for t in flat if t.is_cuda}
         cuda_state = {d: torch.cuda.get_rng_state(d) for d in cuda}
@@ -205,7 +205,7 @@ class DivergenceProbe:
         name = self.names[mod]
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
-        refs = _float_tensors(out)
+        refs = float_tensors(out)
         reals = self._real.get(name, [])
         tag = {"module": name} if call == 0 else {"module": name, "call": call}
         if call < len(reals):
@@ -228,7 +228,7 @@ class DivergenceProbe:
         stack = self._inputs.get(name)
         if stack:
             a, k, versions, state, cuda_state = stack.pop()
-            flat = _float_tensors((a, k))
+            flat = float_tensors((a, k))
             if [t._version for t in flat] == versions:
                 self._run_local(mod, a, k, state, cuda_state, refs, tag)
 
@@ -248,7 +248,7 @@ class DivergenceProbe:
             torch.set_rng_state(now)
             for d, s in now_cuda.items():
                 torch.cuda.set_rng_state(s, d)
-        sums = metric_sums(list(zip(_float_tensors(lo), refs)))
+        sums = metric_sums(list(zip(float_tensors(lo), refs)))
         if sums is not None:
             self._pending.append(({**tag, "scope": "local"}, sums))
 
@@ -287,7 +287,7 @@ class DivergenceProbe:
         tmax = torch.finfo(self.dtype).max
         result: dict[str, dict] = {}
         for name, counts, amax in self._range:
-            nonzero, ge_under, ge_tiny, ge_over, ge_inf, _ = counts.tolist()
+            nonzero, ge_under, ge_tiny, ge_over, _, _ = counts.tolist()
             a = float(amax)
             r = result.setdefault(name, {"absmax": 0.0, "nonzero": 0, "below_tiny": 0, "flush": 0,
                                          "overflow": 0})
@@ -340,7 +340,7 @@ def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *
     args, kwargs = tuple(args), dict(kwargs or {})
     rng = {"cpu": torch.get_rng_state()}
     try:
-        with _preserved(root, rng):
+        with preserved(root, rng):
             probe.begin(capture_grads=False)
             with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
                 root(*args, **kwargs)

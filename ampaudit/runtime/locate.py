@@ -29,7 +29,7 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -150,7 +150,7 @@ class ModuleStack:
         self._handles.clear()
 
 
-def _float_tensors(tree: Any) -> list[torch.Tensor]:
+def float_tensors(tree: Any) -> list[torch.Tensor]:
     flat, _ = tree_flatten(tree)
     return [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -201,7 +201,7 @@ class NonFiniteLocator(TorchDispatchMode):
         if self.paused or len(self.events) >= self.max_events:
             return func(*args, **kwargs)
         mutable = func._schema.is_mutable
-        inputs = _float_tensors((args, kwargs))
+        inputs = float_tensors((args, kwargs))
         bad_before = _nonfinite(inputs) if mutable else None
         try:
             out = func(*args, **kwargs)
@@ -212,7 +212,7 @@ class NonFiniteLocator(TorchDispatchMode):
             raise
         if func.overloadpacket.__name__ in _UNINITIALISED:
             return out
-        outputs = _nonfinite(_float_tensors(out))
+        outputs = _nonfinite(float_tensors(out))
         if not outputs:
             return out
         bad_in = bad_before if mutable else _nonfinite(inputs)
@@ -231,7 +231,7 @@ class NonFiniteLocator(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _preserved(root: nn.Module, rng_state: dict | None) -> Iterator[None]:
+def preserved(root: nn.Module, rng_state: dict | None) -> Iterator[None]:
     """Run a replay without side effects: buffers (BatchNorm running stats) and RNG are restored."""
     saved = {name: b.detach().clone() for name, b in root.named_buffers()}
     cuda_devices = list(rng_state.get("cuda", {})) if rng_state else []
@@ -270,7 +270,7 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     kwargs = kwargs or {}
     backward = upstream is not None and any(g is not None for g in upstream)
     known: dict[int, str] = {}
-    for t in _float_tensors((args, kwargs)):
+    for t in float_tensors((args, kwargs)):
         known[t.data_ptr()] = "input"
     for g in upstream or []:
         if g is not None:
@@ -283,19 +283,20 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     locator = NonFiniteLocator(tracker, known, max_events=max_events)
     tracker.locator = locator
     grad_ctx = torch.enable_grad() if backward else torch.no_grad()
-    with _preserved(root, rng_state), warnings.catch_warnings():
+    with preserved(root, rng_state), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode announces itself
         anomaly = torch.autograd.detect_anomaly(check_nan=False) if backward else contextlib.nullcontext()
         try:
-            with tracker, grad_ctx, anomaly, torch.autocast(device_type, dtype=dtype, enabled=autocast):
-                with locator:
-                    out = root(*args, **kwargs)
+            # No cast cache: a replay run inside the caller's autocast region must redo (and see) the casts.
+            amp = torch.autocast(device_type, dtype=dtype, enabled=autocast, cache_enabled=False)
+            with tracker, grad_ctx, anomaly, amp, locator:
+                out = root(*args, **kwargs)
         except Exception as exc:  # the forward raised: report where, not a traceback
             if locator.error is None:
                 locator.events.append(_python_error(exc, tracker.current))
             return locator.events
         if backward:
-            outs = [o for o in _float_tensors(out) if o.requires_grad]
+            outs = [o for o in float_tensors(out) if o.requires_grad]
             pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
             params = [p for p in root.parameters() if p.requires_grad]
             if pairs and params:

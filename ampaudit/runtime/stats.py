@@ -82,10 +82,12 @@ def full_counts(t: torch.Tensor, target: torch.dtype) -> tuple[torch.Tensor, tor
     """``(counts[6] int64, min_nonzero 0-d float32)`` of one float tensor, all on its device."""
     th = thresholds(t.dtype, target)
     bits = magnitude_bits(t)
-    nonzero = torch.count_nonzero(bits)
-    cols = [nonzero]
+    done = {1: torch.count_nonzero(bits)}
+    cols = [done[1]]
     for thr in (th.underflow, th.tiny, th.over, th.inf, th.inf + 1):
-        cols.append(nonzero if thr == 1 else count_ge(bits, thr, th.width))
+        if thr not in done:                 # thresholds that coincide (fp16 judged as fp16) count once
+            done[thr] = count_ge(bits, thr, th.width)
+        cols.append(done[thr])
     counts = torch.stack(cols)
     # zero -> all ones (largest), so amin finds the smallest nonzero; +1 undoes the shift.
     mask = (1 << (th.width - 1)) - 1

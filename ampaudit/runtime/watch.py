@@ -37,7 +37,6 @@ Inputs must not be modified in place between forward and backward (they are kept
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import IO, Any
 
@@ -46,11 +45,11 @@ import torch.nn as nn
 
 from ampaudit.errors import AmpAuditError, UsageError
 from ampaudit.runtime.divergence import DivergenceProbe
-from ampaudit.runtime.locate import _float_tensors, capture_rng, module_names, replay, unwrap
+from ampaudit.runtime.locate import float_tensors, capture_rng, module_names, replay, unwrap
 from ampaudit.runtime.stats import StatsAccumulator, extremes
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter
 
-__all__ = ["watch", "Watch", "NonFiniteError"]
+__all__ = ["NonFiniteError", "Watch", "watch"]
 
 
 class NonFiniteError(AmpAuditError):
@@ -70,7 +69,7 @@ class Watch:
     def __init__(self, model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *,
                  every: int = 50, divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
                  raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
-                 locate_first: bool = True, max_replays: int = 10):
+                 locate_first: bool = True, max_replays: int = 10, max_events: int = 4):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -88,7 +87,8 @@ class Watch:
         self.dtype = dtype
         self.every, self.divergence_every, self.stats_every = every, divergence_every, stats_every
         self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
-        self.locate_first, self.max_replays = locate_first, max_replays
+        # A replay reports the first ``max_events`` origins (forward first); later ones are mostly echoes.
+        self.locate_first, self.max_replays, self.max_events = locate_first, max_replays, max_events
         first = next(iter(self.root.parameters()), None)
         self.device_type = first.device.type if first is not None else "cpu"
         self.events: list[dict] = []
@@ -257,7 +257,7 @@ class Watch:
             self._counts_due = False
         dt = self.device_type
         amp = (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] if not kwargs else _float_tensors((args, kwargs))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] if not kwargs else float_tensors((args, kwargs))
         self._replay_state = (args, kwargs, capture_rng(tensors), amp, torch.is_grad_enabled())
         self._upstream, self._bw_queued, self._cheap_flags = [], False, []
         self._pass_open = True
@@ -265,14 +265,15 @@ class Watch:
                and self.step != self._last_div_step and amp[0])
         if due:
             self._last_div_step = self.step
-            self._probe = DivergenceProbe(self.root, device_type=dt, dtype=amp[1], local="leaves")
+            self._probe = DivergenceProbe(self.root, device_type=dt, dtype=amp[1], local="leaves",
+                                          names=self._names)
             self._probe.begin(capture_grads=torch.is_grad_enabled())
 
     def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
         if not self._sample or self._suspended or not self._pass_open:
             return
         # The common case (one tensor) skips pytree flattening: this runs for every module every step.
-        outs = (out,) if type(out) is torch.Tensor else _float_tensors(out)
+        outs = (out,) if type(out) is torch.Tensor else float_tensors(out)
         fslot, full = self._fslot[mod], self._full
         for t in outs:
             if not t.is_floating_point():
@@ -298,7 +299,7 @@ class Watch:
         if self._suspended or not self._pass_open:
             return
         self._hooked = (None, [])
-        outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else _float_tensors(out)
+        outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
         self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
         grad_coming = torch.is_grad_enabled() and any(o.requires_grad for o in outs)
         if self._probe is not None:
@@ -339,9 +340,10 @@ class Watch:
             return
         self._pass_open = False
         self._passes += 1
-        bad = self._acc.end_pass(full=self._full) if self._sample else []
-        if not bad and self._nonfinite_flag():
-            bad = [("", "")]
+        if self._sample:      # the root's slots already cover its outputs and the upstream gradient
+            bad = self._acc.end_pass(full=self._full)
+        else:
+            bad = [("", "")] if self._nonfinite_flag() else []
         self._suspended = True
         try:
             if self._probe is not None:
@@ -358,16 +360,13 @@ class Watch:
                                                       "module in fp32 or use bf16")
 
     def _nonfinite_flag(self) -> bool:
-        # The model's outputs and the upstream gradient, as one scalar: inf/NaN anywhere makes the sum
-        # non-finite. An overflow that starts inside backward shows up in the per-module gradient statistics
-        # of the next sampled pass, or in on_skipped_step; checking every parameter gradient on every pass
-        # would cost more than the rest of this path together.
+        # The extremes of the model's outputs and of the upstream gradient, read as one boolean. An overflow
+        # that starts inside backward shows up in the per-module gradient statistics of the next sampled
+        # pass, or in on_skipped_step; checking every parameter gradient on every pass would cost more than
+        # the rest of this path together.
         if not self._cheap_flags:
             return False
-        if bool(torch.isfinite(torch.stack(self._cheap_flags).float().sum())):
-            return False
-        # A sum of huge finite values can overflow: confirm exactly (rare path).
-        return any(not bool(torch.isfinite(t)) for t in self._cheap_flags)
+        return not bool(torch.isfinite(torch.stack(self._cheap_flags)).all())
 
     def _finish_divergence(self) -> None:
         probe, self._probe = self._probe, None
@@ -393,7 +392,7 @@ class Watch:
         upstream = self._upstream if grad_mode and any(g is not None for g in self._upstream) else None
         found = replay(self.root, args, kwargs, device_type=self.device_type,
                        dtype=amp_dtype if amp_on else self.dtype, autocast=amp_on, rng_state=rng,
-                       upstream=upstream)
+                       upstream=upstream, max_events=self.max_events)
         for ev in found:
             self._emit("nonfinite", **ev)
         if found and self.raise_on_nonfinite and self._pending_error is None:
