@@ -159,3 +159,19 @@ def test_einsum_and_addmm_dims():
     assert not [f for f in ampaudit.check(clean, torch.randn(2, 16, 32), device="cuda").findings if f.rule == "AMP104"]
     addmm = Fn(lambda s, x: torch.addmm(x[:, :1], x, x.t()))
     assert hits(addmm, torch.randn(12, 16), device="cuda", rule="AMP104")
+
+
+def test_autocast_disabled_region_computes_in_input_dtype():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 30)
+
+        def forward(self, x):
+            h = self.fc(x)
+            with torch.autocast("cpu", enabled=False):
+                z = self.fc(x.float())   # runs in fp32: no alignment finding, and its sum is fp32
+            return h.softmax(-1) + z.sum()
+
+    found = {(f.rule, f.op) for f in ampaudit.check(M(), X16, device="cpu").findings}
+    assert ("AMP201", "softmax") in found and ("AMP203", "sum") not in found

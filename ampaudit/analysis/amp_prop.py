@@ -94,6 +94,7 @@ class AmpProp(fx.Interpreter):
         self.amp_dtype: dict[fx.Node, Any] = {}   # node -> autocast dtype (tensor outputs) or dtype value
         self.ndim: dict[fx.Node, int] = {}        # tensor-valued nodes -> ndim (0-dim tensors promote weakly)
         self.unknown: list[fx.Node] = []
+        self.autocast_stack: list[bool] = []     # enabled flags of recorded autocast regions, innermost last
 
     # -- entry point -----------------------------------------------------------------------------------------
     def propagate(self, *args, **kwargs) -> fx.GraphModule:
@@ -139,7 +140,10 @@ class AmpProp(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         op, cls = canonical_op(n, self.module)
         info = AmpInfo(op=op, module=n.meta.get(MODULE_KEY, ""), module_type=cls, source=n.meta.get(SOURCE_KEY))
-        info.category = self.policy.category(op) if n.op in ("call_module", "call_function", "call_method") else None
+        self._track_autocast(n)
+        off = self.autocast_stack and not self.autocast_stack[-1]
+        info.category = self.policy.category(op) if n.op in ("call_module", "call_function", "call_method") \
+            and not off else None
         inputs = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
         info.input_shapes = [getattr(a.meta.get(AMP_KEY), "shape", None) for a in inputs]
         info.input_dtypes = [self.amp_dtype.get(a) for a in inputs]
@@ -181,6 +185,18 @@ class AmpProp(fx.Interpreter):
             except _Unknown:
                 continue
         return None
+
+    def _track_autocast(self, n: fx.Node) -> None:
+        """Follow recorded ``_enter_autocast(device, dtype, enabled, cache)`` / ``_exit_autocast`` pairs."""
+        import torch.amp.autocast_mode as am
+
+        if n.op != "call_function":
+            return
+        if n.target is am._enter_autocast:
+            enabled = n.args[2] if len(n.args) > 2 else n.kwargs.get("enabled", True)
+            self.autocast_stack.append(bool(enabled))
+        elif n.target is am._exit_autocast and self.autocast_stack:
+            self.autocast_stack.pop()
 
     # -- the autocast dtype track ----------------------------------------------------------------------------
     def _dtype_track(self, n: fx.Node, info: AmpInfo, result: Any, inputs: list[fx.Node]) -> None:

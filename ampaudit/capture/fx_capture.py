@@ -90,6 +90,32 @@ class AuditTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, qualname)
 
+    def trace(self, root, concrete_args=None):
+        # fx would run autocast enter/exit calls while tracing and leave no trace of them; record them instead,
+        # so regions a rewrite (or the user) runs with autocast off are known to propagation.
+        import torch.amp.autocast_mode as am
+
+        enter, exit_ = am._enter_autocast, am._exit_autocast
+        cm_enter, cm_exit = am.autocast.__enter__, am.autocast.__exit__
+
+        def record_enter(ac):  # `with torch.autocast(...)` inside forward
+            ac._ampaudit_node = self.create_proxy(
+                "call_function", enter, (ac.device, ac.fast_dtype, ac._enabled, ac._cache_enabled), {})
+            return ac
+
+        def record_exit(ac, *exc):
+            self.create_proxy("call_function", exit_, (ac._ampaudit_node,), {})
+            return False
+
+        am._enter_autocast = lambda *vals: self.create_proxy("call_function", enter, vals, {})
+        am._exit_autocast = lambda mode: self.create_proxy("call_function", exit_, (mode,), {})
+        am.autocast.__enter__, am.autocast.__exit__ = record_enter, record_exit
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            am._enter_autocast, am._exit_autocast = enter, exit_
+            am.autocast.__enter__, am.autocast.__exit__ = cm_enter, cm_exit
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind == "call_module":

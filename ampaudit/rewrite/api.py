@@ -1,0 +1,162 @@
+"""``ampaudit.fix``: rewrite a model into FP32 islands (and, opt-in, pad GEMM dims), verified.
+
+    fixed, changes, report = ampaudit.fix(model, x, mask, device="cuda", dtype="float16")
+    result = ampaudit.fix(model, x, device="cpu", pad=True)
+    result.module(x); print(result.report.to_text())
+
+The input model is left untouched: the fix works on a deep copy. The returned module is that copy with a
+rewritten ``forward`` (class ``Fixed<Class>``): same parameter and buffer names, same ``state_dict`` keys, so
+existing checkpoints load; with autocast off it computes exactly what the original computes.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampaudit.errors import CaptureError, UsageError
+from ampaudit.findings import Finding
+from ampaudit.rewrite.flags import every_hit, flag_nodes, island_findings
+from ampaudit.rewrite.fp32_islands import insert_islands
+from ampaudit.rewrite.islands import find_islands
+from ampaudit.rewrite.report import FixReport
+from ampaudit.rewrite.verify import runtime_device, verify_outputs
+
+KEEP_FP32_HINT = ("keep your eager model and run the flagged modules in fp32 with "
+                  "ampaudit.keep_fp32(model, ['module.path', ...])")
+
+
+@dataclass
+class FixResult:
+    """What :func:`fix` returns; unpacks as ``module, changes, report``."""
+
+    module: nn.Module
+    changes: list[Any]
+    report: FixReport
+    gm: Any = field(default=None, repr=False)        # the rewritten fx.GraphModule (what the writer prints)
+    devices: tuple[str, ...] = ("cpu",)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.module, self.changes, self.report))
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+            getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def island_devices(policy_device: str) -> tuple[str, ...]:
+    """Autocast device types an island turns off: the target's, and the CPU's (where verification may run)."""
+    return (policy_device,) if policy_device == "cpu" else (policy_device, "cpu")
+
+
+def baseline_casts(flags: dict) -> int:
+    """Casts of wrapping each flagged op on its own, as the rules' fix text reads: ``op(x.float()).to(x.dtype)``.
+
+    Each low-dtype floating input gets an upcast, and each floating output a cast back.
+    """
+    from ampaudit.analysis.amp_prop import AMP_KEY
+
+    total = 0
+    low = lambda d: isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize < 4
+    for node in flags:
+        info = node.meta.get(AMP_KEY)
+        inputs = [u for u in node.all_input_nodes if u.op not in ("placeholder", "get_attr")]
+        total += sum(1 for u in inputs if low(getattr(u.meta.get(AMP_KEY), "dtype", None)))
+        total += 1 if info is not None and low(info.dtype) else 0
+    return total
+
+
+def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
+        select: Sequence[str] | None = None, ignore: Sequence[str] | None = None, pad: bool = False,
+        verify: bool = True, calibrate: bool = False, rules_dirs: Sequence[str | Path] = (),
+        target: str | None = None, **kwargs) -> FixResult:
+    """Fix ``model`` (called as ``model(*args, **kwargs)``) for the ``device``/``dtype`` autocast target."""
+    from ampaudit.api import audit
+
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"fix() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
+    original = _unwrap(model)
+    if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
+        raise UsageError("fix needs the model's weights, but they are on the meta device",
+                         hint="build the model with real weights (check audits meta models; fix rewrites and verifies)")
+    work = copy.deepcopy(original)
+    try:
+        aud = audit(work, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
+                    target=target, capture_mode="fx", calibrate=calibrate, **kwargs)
+    except CaptureError as exc:
+        raise CaptureError(f"cannot rewrite {type(original).__name__}: {exc.message}", hint=KEEP_FP32_HINT) from exc
+    gm, policy = aud.capture.gm, aud.policy
+    if aud.capture.root is not work:
+        raise CaptureError(f"{type(original).__name__} is a single built-in layer; there is no forward to rewrite",
+                           hint=KEEP_FP32_HINT)
+    findings: list[Finding] = list(aud.report.findings)
+    report = FixReport(target=target or type(original).__name__, policy=policy.describe(), before=aud.report,
+                       calibrated=calibrate)
+    # The report lists one finding per module and message; every node that hits a rule gets its island.
+    hits = every_hit(aud, select=select, ignore=ignore, rules_dirs=rules_dirs)
+    flags = flag_nodes(gm, findings + hits, root=work)
+    islands = find_islands(gm, flags, root=work)
+    report.casts_per_op = baseline_casts(flags)
+    report.flagged_ops = len(flags)
+    devices = island_devices(policy.device)
+    changes: list[Any] = []
+    _, island_changes = insert_islands(gm, islands, devices=devices)
+    changes += island_changes
+    report.islands = island_changes
+    if pad:
+        from ampaudit.rewrite.pad import pad_dims
+
+        _, pad_changes = pad_dims(gm, work, findings)
+        changes += pad_changes
+        report.padding = pad_changes
+    padded = {c.module: set(c.dims) for c in report.padding}
+    report.unfixed = _unfixed(findings, flags, padded)
+
+    from ampaudit.rewrite.build import install_forward
+
+    fixed = install_forward(work, gm)
+    if verify:
+        report.verification = _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate,
+                                      padded)
+    return FixResult(module=fixed, changes=changes, report=report, gm=gm, devices=devices)
+
+
+def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) -> list[Finding]:
+    """Warning/error findings this fix does not address (buffer ranges; alignment not padded)."""
+    flagged = {n.name for n in flags}
+    modules = {n.meta.get("ampaudit_module", "") for n in flags}
+    fixed = {id(f) for f in island_findings(findings) if f.node in flagged or (f.node is None and f.module in modules)}
+    out = []
+    for f in findings:
+        if f.severity == "info" or id(f) in fixed:
+            continue
+        if f.family == "alignment" and f.details.get("dim") in padded.get(f.module, ()):
+            continue
+        out.append(f)
+    return out
+
+
+def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate, padded):
+    from ampaudit.api import audit
+
+    device_type = runtime_device(original)
+    v = verify_outputs(original, fixed, args, kwargs, device_type=device_type, dtype=policy.low)
+    if device_type != policy.device:
+        v.notes.append(f"outputs compared under {device_type} autocast: the model's weights are on {device_type}, "
+                       f"the target is {policy.device}")
+    again = audit(fixed, *args, device=policy.device, dtype=policy.dtype_name, select=select, ignore=ignore,
+                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, **kwargs)
+    remaining = island_findings(again.report.findings)
+    if padded:
+        remaining += [f for f in again.report.findings if f.family == "alignment" and f.module in padded
+                      and f.rule in ("AMP101", "AMP102", "AMP103") and f.details.get("dim") in padded[f.module]]
+    v.remaining = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message} for f in remaining]
+    return v

@@ -1,0 +1,164 @@
+"""Verification of a fix: FP32 outputs unchanged, autocast outputs against FP32 before and after, and a re-check.
+
+    v = verify_outputs(original, fixed, args, kwargs, device_type="cpu", dtype=torch.float16)
+    v.fp32_max_abs, v.before.rel_err, v.after.nonfinite
+
+Relative error is max |y - y_fp32| / max |y_fp32| over each floating output (the error against the output's
+scale; elementwise ratios explode near zero). Every forward runs under ``torch.no_grad()`` with the same RNG
+seed, and buffers (BatchNorm running statistics) are restored afterwards, so verifying changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+# FP32 outputs may differ by this much (relative) where the rewrite had to change op order (padded K dims).
+FP32_TOLERANCE = 1e-6
+
+
+@dataclass
+class AmpRun:
+    """One forward under autocast compared with FP32."""
+
+    rel_err: float | None = None
+    nonfinite: int = 0
+    error: str | None = None          # the forward raised (e.g. a constant fp16 cannot hold)
+
+    def describe(self) -> str:
+        if self.error:
+            return f"raises {self.error}"
+        return f"max rel err {_fmt(self.rel_err)}, {self.nonfinite} non-finite"
+
+
+@dataclass
+class Verification:
+    device_type: str
+    dtype: str
+    fp32_max_abs: float
+    fp32_max_rel: float
+    fp32_bitwise: bool
+    before: AmpRun
+    after: AmpRun
+    remaining: list[dict] = field(default_factory=list)   # findings of the fixed families still there
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fp32_ok(self) -> bool:
+        return self.fp32_bitwise or self.fp32_max_rel <= FP32_TOLERANCE
+
+    @property
+    def ok(self) -> bool:
+        return self.fp32_ok and self.after.error is None and self.after.nonfinite == 0 and not self.remaining
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["fp32_ok"], d["ok"] = self.fp32_ok, self.ok
+        return d
+
+    def lines(self) -> list[str]:
+        fp32 = "bitwise equal" if self.fp32_bitwise else \
+            f"max abs diff {_fmt(self.fp32_max_abs)} (rel {_fmt(self.fp32_max_rel)})"
+        out = [f"FP32 outputs: {fp32}",
+               f"{self.dtype} autocast on {self.device_type}, vs FP32: before {self.before.describe()}; "
+               f"after {self.after.describe()}"]
+        if self.remaining:
+            rules = ", ".join(sorted({f['rule'] for f in self.remaining}))
+            out.append(f"re-check: {len(self.remaining)} finding(s) of the fixed families remain ({rules})")
+        else:
+            out.append("re-check: clean for the fixed families")
+        return out + self.notes
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+@contextlib.contextmanager
+def preserved(*models: nn.Module) -> Iterator[None]:
+    """Restore every buffer of ``models`` and the RNG state on exit."""
+    saved = [[(b, b.detach().clone()) for b in m.buffers()] for m in models]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for pairs in saved:
+                    for buf, value in pairs:
+                        buf.copy_(value)
+
+
+def run(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str | None = None,
+        dtype: torch.dtype | None = None) -> Any:
+    """One seeded forward without grad; under autocast when ``device_type`` is given."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        if device_type is None:
+            return model(*args, **kwargs)
+        with torch.autocast(device_type, dtype=dtype):
+            return model(*args, **kwargs)
+
+
+def compare(out: Any, ref: Any) -> tuple[float, float, int]:
+    """(max abs diff, max relative diff against ref's scale, non-finite count in out)."""
+    a, b = _tensors(out), _tensors(ref)
+    if len(a) != len(b):
+        return math.inf, math.inf, 0
+    max_abs, max_rel, bad = 0.0, 0.0, 0
+    for x, y in zip(a, b):
+        x, y = x.float(), y.float()
+        if x.shape != y.shape:
+            return math.inf, math.inf, 0
+        bad += int((~torch.isfinite(x)).sum())
+        diff = (x - y).abs()
+        finite = torch.isfinite(diff)
+        d = float(diff[finite].max()) if bool(finite.any()) else 0.0
+        if not bool(finite.all()):
+            d = math.inf
+        scale = float(y.abs().max()) if y.numel() else 0.0
+        max_abs = max(max_abs, d)
+        max_rel = max(max_rel, d / scale if scale > 0 else (0.0 if d == 0 else math.inf))
+    return max_abs, max_rel, bad
+
+
+def _amp_run(model: nn.Module, args: tuple, kwargs: dict, ref: Any, device_type: str, dtype: torch.dtype) -> AmpRun:
+    try:
+        out = run(model, args, kwargs, device_type=device_type, dtype=dtype)
+    except Exception as exc:  # the unfixed model may raise (masked_fill with a constant fp16 cannot hold)
+        return AmpRun(error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
+    _, rel, bad = compare(out, ref)
+    return AmpRun(rel_err=rel, nonfinite=bad)
+
+
+def _bitwise(out: Any, ref: Any) -> bool:
+    a, b = _tensors(out), _tensors(ref)
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def verify_outputs(original: nn.Module, fixed: nn.Module, args: tuple, kwargs: dict, *, device_type: str,
+                   dtype: torch.dtype) -> Verification:
+    """Compare ``fixed`` with ``original`` in FP32, and both under autocast against FP32."""
+    with preserved(original, fixed):
+        ref = run(original, args, kwargs)
+        out = run(fixed, args, kwargs)
+        before = _amp_run(original, args, kwargs, ref, device_type, dtype)
+        after = _amp_run(fixed, args, kwargs, ref, device_type, dtype)
+    max_abs, max_rel, _ = compare(out, ref)
+    return Verification(device_type=device_type, dtype=str(dtype).replace("torch.", ""), fp32_max_abs=max_abs,
+                        fp32_max_rel=max_rel, fp32_bitwise=_bitwise(out, ref), before=before, after=after)
+
+
+def runtime_device(model: nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device.type
+    return "cpu"

@@ -1,0 +1,29 @@
+"""Two softmaxes joined both directly (through an add) and through a Linear: merging them into one fp32 island
+would put the Linear between two parts of the island (a cycle), so they must stay two islands."""
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.register_buffer("unused_stat", torch.ones(3))   # never read by forward: must stay in state_dict
+
+    def forward(self, x):
+        a = torch.softmax(self.inp(x) * 4.0, -1)
+        h = self.mid(a)
+        b = torch.softmax(a + h, -1)
+        return self.out(b)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    torch.manual_seed(1)
+    return (torch.randn(8, 16),)
