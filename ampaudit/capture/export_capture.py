@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, SourceLoc, _is_user_file
+from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, SourceLoc, is_user_file
 from ampaudit.errors import CaptureError
 
 # Checks export inserts; they compute nothing.
@@ -39,7 +39,7 @@ def source_from_stack(stack: str | None) -> SourceLoc | None:
         return None
     found = None
     for m in _FRAME_RE.finditer(stack):
-        if _is_user_file(m.group(1)):
+        if is_user_file(m.group(1)):
             found = SourceLoc(m.group(1), int(m.group(2)), m.group(3).strip())
     return found
 

@@ -47,7 +47,7 @@ class SourceLoc:
 
 
 @functools.lru_cache(maxsize=4096)
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
     if filename.startswith("<"):
         return False
     try:
@@ -62,7 +62,7 @@ def user_frame() -> SourceLoc | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if _is_user_file(filename):
+        if is_user_file(filename):
             line = frame.f_lineno
             return SourceLoc(filename, line, linecache.getline(filename, line).strip())
         frame = frame.f_back
@@ -73,7 +73,7 @@ def user_frame_of(tb_or_frames) -> SourceLoc | None:
     """The innermost user frame of a traceback (for errors raised while tracing)."""
     frames = traceback.extract_tb(tb_or_frames) if not isinstance(tb_or_frames, list) else tb_or_frames
     for fr in reversed(frames):
-        if _is_user_file(fr.filename):
+        if is_user_file(fr.filename):
             return SourceLoc(fr.filename, fr.lineno or 0, (fr.line or "").strip())
     return None
 

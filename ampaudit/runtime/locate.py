@@ -36,16 +36,11 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import ampaudit
+from ampaudit.capture.fx_capture import is_user_file
 
-_SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, ampaudit))
 _TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 # Ops whose outputs are uninitialised memory: garbage there is not an overflow.
 _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "resize_")
-
-
-def _is_user_file(filename: str) -> bool:
-    return not (filename.startswith(_SKIP_DIRS) or filename.startswith("<"))
 
 
 def _short(filename: str, line: int) -> str:
@@ -61,7 +56,7 @@ def user_source(frame=None) -> str | None:
     """``file:line`` of the innermost stack frame outside torch and ampaudit (None if there is none)."""
     f = frame if frame is not None else sys._getframe(1)
     while f is not None:
-        if _is_user_file(f.f_code.co_filename):
+        if is_user_file(f.f_code.co_filename):
             return _short(f.f_code.co_filename, f.f_lineno)
         f = f.f_back
     return None
@@ -71,7 +66,7 @@ def _source_from_lines(lines: list[str]) -> str | None:
     # Formatted stack entries, outermost first (anomaly mode's "traceback_" metadata).
     for entry in reversed(lines):
         m = _TB_FILE.search(entry)
-        if m and _is_user_file(m["file"]):
+        if m and is_user_file(m["file"]):
             return _short(m["file"], int(m["line"]))
     return None
 
@@ -310,7 +305,7 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
 def _python_error(exc: BaseException, module: str) -> dict:
     source = None
     for entry in reversed(traceback.extract_tb(exc.__traceback__)):
-        if _is_user_file(entry.filename):
+        if is_user_file(entry.filename):
             source = _short(entry.filename, entry.lineno or 0)
             break
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
