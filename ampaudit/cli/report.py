@@ -4,6 +4,7 @@
     ampaudit report run.jsonl --html run.html       # plus one self-contained page with plots
     ampaudit report run.jsonl --check findings.json # name the `ampaudit check` findings the run confirmed
     ampaudit report run.jsonl --json                # the summary as JSON, for other tools
+    ampaudit report run.jsonl --tensorboard runs/amp  # the trace's scalars for TensorBoard
 
 Unreadable lines in the trace (a run killed mid-write) are reported and skipped; the exit code stays 0.
 """
@@ -31,6 +32,10 @@ def report(
     check: Annotated[Optional[Path], typer.Option(
         "--check", help="Findings from `ampaudit check --format json`: list those the run confirmed.",
         show_default=False)] = None,
+    tensorboard: Annotated[Optional[Path], typer.Option(
+        "--tensorboard", help="Also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom "
+        "and divergence) as TensorBoard logs to this folder (needs the tensorboard extra).",
+        show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of text.")] = False,
     top: Annotated[int, typer.Option("--top", min=1, help="Modules shown per table.")] = 5,
 ) -> None:
@@ -42,6 +47,9 @@ def report(
     if html is not None:  # fail before the work, not after it
         from ampaudit.report.html import require_plotly
         require_plotly()
+    if tensorboard is not None:
+        from ampaudit.integrations import require
+        require("tensorboard", extra="tensorboard", feature="--tensorboard")
     findings = load_findings(check) if check is not None else None
     events, problems = read_trace(trace)
     hint = "pass the file written by --trace or ampaudit.watch"
@@ -65,3 +73,7 @@ def report(
         # The plots rank every module the trace has, not only the --top shown in the terminal.
         written = write_html(html, data, problems, trace=str(trace), summary=summary)
         typer.echo(f"wrote {written}", err=as_json)
+    if tensorboard is not None:
+        from ampaudit.integrations.tensorboard import write_tensorboard
+        count = write_tensorboard(events, tensorboard)
+        typer.echo(f"wrote {count} TensorBoard scalars to {tensorboard}", err=as_json)

@@ -1,0 +1,32 @@
+"""Thin wiring of ampaudit into the tools people already use. The work happens in the core; each module here
+only connects it, and imports its third-party package lazily (an optional extra):
+
+    ampaudit.integrations.lightning.AmpAuditCallback       pip install 'ampaudit[lightning]'
+    ampaudit.integrations.transformers.AmpAuditCallback    pip install 'ampaudit[transformers]'
+    ampaudit.integrations.tensorboard.write_tensorboard    pip install 'ampaudit[tensorboard]'
+    ampaudit.integrations.precommit                        the `ampaudit-check` pre-commit hook
+    ampaudit.pytest_plugin / ampaudit.testing              the `amp_audit` fixture, assert_amp_safe
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ampaudit.errors import AmpAuditError
+
+
+class MissingExtraError(AmpAuditError, ImportError):
+    """An integration's package is not installed; the message names the extra that installs it."""
+
+
+def require(module: str, *, extra: str, feature: str) -> ModuleType:
+    """Import ``module`` or raise :class:`MissingExtraError` saying which extra to install for ``feature``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        name = getattr(exc, "name", None) or top
+        if name != top and not name.startswith(top + "."):
+            raise  # the package is there but one of its own dependencies is broken: show the real error
+        raise MissingExtraError(f"{feature} needs the {top!r} package, which is not installed",
+                                hint=f"pip install 'ampaudit[{extra}]'") from exc

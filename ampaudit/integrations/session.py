@@ -1,0 +1,186 @@
+"""A :class:`~ampaudit.runtime.watch.Watch` driven by a training framework's hooks: the part the Lightning and
+Hugging Face callbacks share. The callbacks only translate their framework's hooks into these calls:
+
+    session = WatchSession(trace="run.jsonl", every=50, divergence_every=500)
+    session.start(model, dtype=torch.float16, integration="lightning")
+    # per optimizer step (micro-batches of one step share its number):
+    session.begin_step(step)                  # before the first forward of the step
+    session.add_loss(loss)                    # each micro-batch's loss (a tensor is read once, at end_step)
+    session.before_optimizer_step(scaled=True)   # gradients complete, not clipped: per-parameter norms
+    session.end_step(skipped=False, scale=65536.0, lr=1e-3)   # writes the `step` event; a skip names the culprits
+    session.close()                           # flush statistics, remove hooks, optionally write TensorBoard logs
+
+Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``) and the ``step`` events go to one
+trace: the JSON Lines file ``trace``, or memory (``session.events``) when ``trace`` is None.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
+from ampaudit.runtime.watch import Watch
+
+
+def param_grad_norms(named: list[tuple[str, nn.Parameter]]) -> tuple[list[str], torch.Tensor | None]:
+    """Names of the parameters (of ``named``) that have gradients, and their L2 norms as one fp32 tensor
+    (not read back)."""
+    names = [n for n, p in named if p.grad is not None]
+    if not names:
+        return [], None
+    grads = [p.grad.detach() for _, p in named if p.grad is not None]
+    try:
+        # One fused pass, as clip_grad_norm_ does.
+        return names, torch.stack(torch._foreach_norm(grads)).float()
+    except (RuntimeError, TypeError):               # gradients on several devices or in several dtypes
+        device = grads[0].device
+        return names, torch.stack([torch.linalg.vector_norm(g).float().to(device) for g in grads])
+
+
+def _float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.item() if value.numel() == 1 else value.detach().float().mean().item())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class WatchSession:
+    """One watched training run: a :class:`Watch` plus ``step`` events; see the module docstring."""
+
+    def __init__(self, trace: str | os.PathLike | None = None, *, every: int = 50, divergence_every: int | None = None,
+                 raise_on_nonfinite: bool = False, stats: bool = True, grad_norm_every: int | None = None,
+                 tensorboard: str | os.PathLike | None = None):
+        self.trace = trace
+        self.every, self.divergence_every = every, divergence_every
+        self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
+        # The norms cost one pass over every gradient. With a loss scaler they are taken every step (a skipped
+        # step is attributed from them); without one, every `grad_norm_every` steps (default: `every`).
+        self.grad_norm_every = grad_norm_every or every
+        self.tensorboard = tensorboard
+        if tensorboard is not None:  # fail before training, not after it
+            from ampaudit.integrations import require
+            require("tensorboard", extra="tensorboard", feature="tensorboard=")
+        self.watch: Watch | None = None
+        self.writer: TraceWriter | None = None
+        self._buffer: io.StringIO | None = None
+        self._step: int | None = None
+        self._t0: float | None = None
+        self._losses: list[Any] = []
+        self._norms: tuple[list[str], torch.Tensor | None, float] = ([], None, 1.0)
+        self._params: list[tuple[str, nn.Parameter]] = []
+        self.skips: list[dict] = []
+
+    @property
+    def active(self) -> bool:
+        return self.watch is not None
+
+    def start(self, model: nn.Module, *, dtype: torch.dtype, integration: str, **meta: Any) -> None:
+        """Attach the watch to ``model`` and write the trace's ``meta`` line."""
+        if self.watch is not None:
+            self.close()
+        if self.trace is None:
+            self._buffer = io.StringIO()
+            self.writer = TraceWriter(self._buffer)
+        else:
+            self.writer = TraceWriter(self.trace)
+        self._params = list(model.named_parameters())
+        first = self._params[0][1] if self._params else None
+        self.writer.write("meta", step=None, version=TRACE_VERSION, source="watch", integration=integration,
+                          dtype=str(dtype).replace("torch.", ""),
+                          device=first.device.type if first is not None else "cpu", model=type(model).__name__,
+                          every=self.every, divergence_every=self.divergence_every, **meta)
+        # Given an open writer, the watch adds its events to our trace and writes no second meta line.
+        self.watch = Watch(model, self.writer, every=self.every, divergence_every=self.divergence_every,
+                           dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats)
+
+    def begin_step(self, step: int) -> None:
+        """Number what follows ``step``; the step's clock starts at its first micro-batch."""
+        if self.watch is None:
+            return
+        if self._step != step or self._t0 is None:
+            self._step, self._t0 = step, time.perf_counter()
+            self._losses, self._norms = [], ([], None, 1.0)
+        self.watch.set_step(step)
+
+    def add_loss(self, loss: Any) -> None:
+        if self.watch is not None and loss is not None:
+            self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+
+    def before_optimizer_step(self, *, scaled: bool = False, grad_scale: float | None = None) -> None:
+        """Gradients are complete and not yet clipped: take each parameter's gradient norm (one fused pass, kept
+        on the device) when due. ``scaled``: a loss scaler may skip this step (norms are then taken every step).
+        ``grad_scale``: the loss scale still in the gradients (they are divided by it)."""
+        if self.watch is None or self._step is None:
+            return
+        if scaled or self._step % self.grad_norm_every == 0:
+            names, norms = param_grad_norms(self._params)
+            self._norms = (names, norms, float(grad_scale) if grad_scale else 1.0)
+
+    def end_step(self, *, skipped: bool, scale: float | None, lr: float | None = None,
+                 clipped_at: float | None = None, loss: Any = None) -> dict | None:
+        """Write the ``step`` event (``scale``: the loss scale the step ran with; ``clipped_at``: the clipping
+        norm, if any; ``loss`` replaces the mean of :meth:`add_loss`'s losses). On a skipped step, also write a
+        ``skip`` event naming the parameters (and their modules) whose gradients were not finite, and return it."""
+        if self.watch is None or self._step is None:
+            return None
+        step = self._step
+        losses = [_float(x) for x in ([loss] if loss is not None else self._losses)]
+        losses = [x for x in losses if x is not None]
+        names, norms, divisor = self._norms
+        norm = None
+        if norms is not None:
+            norm = float(torch.linalg.vector_norm(norms).item()) / divisor
+        attribution = None
+        if skipped:
+            bad: list[str] = []
+            if norms is not None:
+                flags = (~torch.isfinite(norms)).tolist()
+                bad = [n for n, f in zip(names, flags) if f]
+            modules = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in bad})
+            attribution = {"params": bad, "modules": modules}
+            self.writer.write("skip", step=step, scale=scale, **attribution)
+            self.skips.append({"step": step, **attribution})
+        clipped: bool | None = False
+        if clipped_at:      # unknown on steps whose norm was not measured, or was not finite
+            clipped = norm > clipped_at if norm is not None and math.isfinite(norm) else None
+        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
+        self.writer.write("step", step=step, loss=sum(losses) / len(losses) if losses else None,
+                          scale=scale, skipped=bool(skipped), grad_norm=norm, clipped=clipped, lr=lr,
+                          time=elapsed)
+        self._t0, self._losses, self._norms = None, [], ([], None, 1.0)
+        return attribution
+
+    @property
+    def events(self) -> list[dict]:
+        """Every event so far (from memory, or read back from the trace file)."""
+        if self._buffer is not None:
+            return [json.loads(line) for line in self._buffer.getvalue().splitlines() if line.strip()]
+        if self.trace is not None and os.path.isfile(self.trace):
+            return read_trace(self.trace)[0]
+        return []
+
+    def close(self) -> None:
+        """Flush statistics, remove the hooks, close the trace; write TensorBoard logs when asked."""
+        if self.watch is None:
+            return
+        watch, self.watch = self.watch, None
+        try:
+            watch.close()
+        finally:
+            if self.writer is not None and self._buffer is None:
+                self.writer.close()
+        if self.tensorboard is not None:
+            from ampaudit.integrations.tensorboard import write_tensorboard
+
+            write_tensorboard(self.events, self.tensorboard)

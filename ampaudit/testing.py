@@ -1,0 +1,94 @@
+"""Mixed-precision safety as a test assertion.
+
+    from ampaudit.testing import assert_amp_safe
+
+    def test_model_is_fp16_safe():
+        model = MyNet()
+        assert_amp_safe(model, torch.randn(8, 64))                       # CUDA fp16 policy, fails on warnings
+        assert_amp_safe(model, x, device="cpu", dtype="bfloat16", fail_on="error", ignore=["AMP403"])
+        assert_amp_safe(model, x, calibrate=True)   # also run it: measured overflow and inf/NaN fail too
+
+A clean model passes silently (the :class:`~ampaudit.findings.Report` is returned); otherwise the test fails
+with an :class:`AmpSafetyError` (an ``AssertionError``) whose message is a plain-text table of the findings at or
+above ``fail_on``. With the pytest plugin installed, the ``amp_audit`` fixture does the same with the defaults of
+``[tool.ampaudit]`` in the project's pyproject.toml.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, Sequence
+
+from ampaudit.errors import UsageError
+from ampaudit.findings import SEVERITY_RANK, Finding, Report
+
+__all__ = ["assert_amp_safe", "AmpSafetyError", "format_findings"]
+
+FAIL_ON = ("error", "warning", "info", "never")
+TABLE_WIDTH = 140
+
+
+class AmpSafetyError(AssertionError):
+    """A model failed :func:`assert_amp_safe`; ``report`` holds every finding, ``failing`` those that failed."""
+
+    def __init__(self, message: str, report: Report, failing: list[Finding]):
+        super().__init__(message)
+        self.report = report
+        self.failing = failing
+
+
+def _where(f: Finding) -> str:
+    if not f.location:
+        return "-"
+    parts = str(f.location.get("file", "")).replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{f.location.get('line')}"
+
+
+def format_findings(findings: Sequence[Finding], *, width: int = TABLE_WIDTH) -> str:
+    """A plain-text table (no colour) of ``findings``: severity, rule, module, source line, message and fix."""
+    from rich.box import SIMPLE_HEAD
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
+    for name in ("severity", "rule", "module", "where"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("finding", overflow="fold")
+    for f in sorted(findings, key=lambda f: -SEVERITY_RANK[f.severity]):
+        body = f.message + (f"\nfix: {f.fix}" if f.fix else "")
+        table.add_row(f.severity, f"{f.rule} {f.name}", f.module or "<top>", _where(f), body)
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False).print(table)
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip().splitlines())
+
+
+def assert_amp_safe(model: Any, *example_inputs: Any, device: str = "cuda", dtype: str = "float16",
+                    fail_on: str = "warning", calibrate: bool = False, select: Sequence[str] | None = None,
+                    ignore: Sequence[str] | None = None, rules_dirs: Sequence[str | Path] = (),
+                    **example_kwargs: Any) -> Report:
+    """Fail the calling test if ``model(*example_inputs, **example_kwargs)`` has findings at or above
+    ``fail_on`` for the ``device``/``dtype`` autocast target; return the report otherwise.
+
+    ``fail_on``: "error", "warning", "info" or "never" (report only). ``calibrate``: also run the model on the
+    example inputs in FP32 and under the target's autocast (as ``ampaudit check --calibrate``): measured
+    overflow, inf/NaN origins and divergence become findings. ``select``/``ignore``/``rules_dirs`` work as in
+    ``ampaudit check``.
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line, not ours
+    if fail_on not in FAIL_ON:
+        raise UsageError(f"assert_amp_safe(): unknown fail_on {fail_on!r}", hint=f"use one of {', '.join(FAIL_ON)}")
+    from ampaudit.api import check
+
+    report = check(model, *example_inputs, device=device, dtype=dtype, select=select, ignore=ignore,
+                   rules_dirs=rules_dirs, base_dir=Path.cwd(), calibrate=calibrate, **example_kwargs)
+    failing = report.at_or_above(fail_on) if fail_on != "never" else []
+    if failing:
+        pol = report.policy
+        lower = len(report.findings) - len(failing)
+        head = (f"{type(model).__name__} is not mixed-precision safe for {pol.get('device')} {pol.get('dtype')} "
+                f"autocast: {len(failing)} finding(s) at or above {fail_on!r}"
+                + (f" (and {lower} below)" if lower else ""))
+        raise AmpSafetyError(f"{head}\n\n{format_findings(failing)}\n\n"
+                             "explain a rule with: ampaudit rules explain ID; silence one line with "
+                             "'# ampaudit: ignore[ID]'", report, failing)
+    return report

@@ -1,0 +1,78 @@
+"""The rule reference in docs/rules/ is generated from rules/*.toml: these tests fail when they drift apart."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from ampaudit.docs_gen import DOCS_DIR, EXAMPLES, load_examples, main, render_pages, stale_pages, write_pages
+from ampaudit.errors import RuleError
+from ampaudit.rules.loader import load_rules
+
+HEADINGS = ["## What it checks", "## Why it matters", "## Example", "## Fix"]
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    return render_pages(load_rules(), load_examples(EXAMPLES))
+
+
+def test_committed_pages_match_the_rule_files(pages):
+    stale = stale_pages(DOCS_DIR, pages)
+    assert not stale, f"docs/rules is out of date ({', '.join(stale)}): run python -m ampaudit.docs_gen"
+
+
+def test_regenerating_into_a_temp_dir_gives_the_committed_files(tmp_path, pages):
+    write_pages(tmp_path, pages)
+    committed = sorted(p.name for p in DOCS_DIR.glob("*.md"))
+    assert sorted(p.name for p in tmp_path.glob("*.md")) == committed
+    for name in committed:
+        assert (tmp_path / name).read_text() == (DOCS_DIR / name).read_text(), name
+
+
+def test_every_rule_has_a_page_with_the_fixed_headings(pages):
+    rules = load_rules()
+    for rule in rules:
+        text = pages[f"{rule.id}.md"]
+        positions = [text.index(h) for h in HEADINGS]
+        assert positions == sorted(positions), rule.id
+        assert " ".join(rule.why.split()) in text                      # why, from the rule file itself
+        assert "```python" in text.split("## Example")[1]
+        assert f"[{rule.id}]({rule.id}.md)" in pages["README.md"]
+    assert len(re.findall(r"^\| \[AMP", pages["README.md"], re.M)) == len(rules)
+
+
+def test_a_changed_rule_makes_the_page_stale(tmp_path, pages):
+    write_pages(tmp_path, pages)
+    rules = load_rules()
+    import dataclasses
+    edited = [dataclasses.replace(r, why=r.why + " Also this.") if r.id == "AMP201" else r for r in rules]
+    assert stale_pages(tmp_path, render_pages(edited, load_examples(EXAMPLES))) == ["AMP201.md"]
+    (tmp_path / "AMP999.md").write_text("old rule")
+    assert "AMP999.md" in stale_pages(tmp_path, pages)
+    write_pages(tmp_path, pages)
+    assert not (tmp_path / "AMP999.md").exists()
+
+
+def test_rules_and_examples_must_match(tmp_path):
+    examples = load_examples(EXAMPLES)
+    rules = load_rules()
+    with pytest.raises(RuleError, match="no example for rule"):
+        render_pages(rules, {k: v for k, v in examples.items() if k != "AMP101"})
+    with pytest.raises(RuleError, match="unknown rule"):
+        render_pages(rules, {**examples, "AMP999": examples["AMP101"]})
+    bad = tmp_path / "ex.toml"
+    bad.write_text('[AMP101]\nwhat = "x"\n')
+    with pytest.raises(RuleError, match="needs string key"):
+        load_examples(bad)
+
+
+def test_cli_check_mode(tmp_path, capsys):
+    out = tmp_path / "rules"
+    shutil.copytree(DOCS_DIR, out)
+    assert main(["--check", "--out", str(out)]) == 0
+    (out / "AMP301.md").write_text("edited by hand")
+    assert main(["--check", "--out", str(out)]) == 1
+    assert "AMP301.md" in capsys.readouterr().err
+    assert main(["--out", str(out)]) == 0 and main(["--check", "--out", str(out)]) == 0
