@@ -100,3 +100,17 @@ def test_replay_leaves_buffers_and_rng_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_deliberate_inf_constants_are_not_origins():
+    import torch
+    from torch import nn
+
+    from ampaudit.runtime.locate import locate_nonfinite
+
+    class Masked(nn.Module):
+        def forward(self, x):
+            neg_inf = torch.scalar_tensor(float("-inf"), dtype=x.dtype)   # as transformers' sdpa masks do
+            return torch.where(x > 0, x, neg_inf).clamp(min=-1.0)
+
+    assert locate_nonfinite(Masked(), (torch.randn(4, 8),)) == []

@@ -213,6 +213,10 @@ class NonFiniteLocator(TorchDispatchMode):
         bad_in = bad_before if mutable else _nonfinite(inputs)
         kind = "nan" if any(bool(torch.isnan(o).any()) for o in outputs) else "inf"
         dtype = str(outputs[0].dtype)
+        if not inputs and not mutable:
+            # A factory (scalar_tensor(-inf), full(..., -inf)) makes the value on purpose, as attention masks
+            # do; a constant that merely overflows shows up where it is cast or combined with the activations.
+            return out
         if not bad_in:
             self._record(func, kind, "op", dtype)
         else:
