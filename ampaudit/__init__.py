@@ -22,6 +22,7 @@ _EXPORTS = {
     "Watch": "ampaudit.runtime.watch",
     "Trainer": "ampaudit.train.trainer",
     "LossScaler": "ampaudit.train.scaler",
+    "TrainResult": "ampaudit.train.trainer",
     "fix": "ampaudit.rewrite.api",
     "FixResult": "ampaudit.rewrite.api",
     "keep_fp32": "ampaudit.rewrite.keep_fp32",

@@ -1,0 +1,148 @@
+"""``ampaudit train``: train a model file under mixed precision with the loss-scale policy, clipping,
+accumulation, master weights, checkpoints and an optional trace.
+
+    ampaudit train model.py --steps 1000 --dtype float16 --accum 4 --clip-norm 1.0 \\
+        --checkpoint ckpt --checkpoint-every 100 --trace run.jsonl --save final.pt
+    torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --accum 2
+
+The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``
+and ``make_scheduler(optimizer)``). Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+
+from ampaudit.cli.app import app, cli_errors
+from ampaudit.errors import AmpAuditError, TrainError, TrainingHalted, UsageError
+from ampaudit.train.checkpoint import LAST, atomic_write
+
+
+def _hooks(loaded) -> tuple:
+    """``train_data`` and ``loss_fn`` from the model file, or a TrainError showing what to add."""
+    missing = [name for name in ("train_data", "loss_fn") if loaded.hook(name) is None]
+    if missing:
+        example = {"train_data": "def train_data(): yield inputs, target",
+                   "loss_fn": "def loss_fn(output, target): return torch.nn.functional.mse_loss(output, target)"}
+        raise TrainError(f"{loaded.display} has no {' and no '.join(m + '()' for m in missing)}; ampaudit train needs "
+                         "batches and a loss from the model file",
+                         hint="add to it: " + "; ".join(example[m] for m in missing))
+    return loaded.hook("train_data"), loaded.hook("loss_fn")
+
+
+def _save_weights(model: torch.nn.Module, path: Path) -> None:
+    atomic_write(path, lambda fh: torch.save(model.state_dict(), fh))
+
+
+@app.command()
+@cli_errors
+def train(
+    target: Annotated[str, typer.Argument(help="Model file (model.py) or pkg.module:factory.")],
+    *,
+    entry: Annotated[Optional[str], typer.Option(help="Name of the factory/model in the file.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train (each of --accum micro-batches).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Passes over train_data() instead of --steps.")] = None,
+    dtype: Annotated[str, typer.Option(help="Low-precision dtype: float16, bfloat16 (or float32).")] = "float16",
+    opt_level: Annotated[str, typer.Option("--opt-level", help="O1: fp32 weights + autocast; O2: low-precision "
+                                           "weights with FP32 master weights, BatchNorm in fp32.")] = "O1",
+    accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = 1,
+    clip_norm: Annotated[Optional[float], typer.Option(help="Clip the global gradient L2 norm to this.")] = None,
+    clip_value: Annotated[Optional[float], typer.Option(help="Clip each gradient element to +-this.")] = None,
+    clip_per_layer: Annotated[bool, typer.Option(help="With --clip-norm: clip each layer's norm separately.")] = False,
+    lr: Annotated[Optional[float], typer.Option(help="Learning rate (overrides make_optimizer's).")] = None,
+    loss_scale: Annotated[str, typer.Option(help="dynamic, none, a fixed number, or auto (dynamic for "
+                                            "float16, none for bfloat16).")] = "auto",
+    max_consecutive_skips: Annotated[int, typer.Option(help="Halt (exit 3) after this many skipped steps "
+                                                       "in a row.")] = 50,
+    max_skip_fraction: Annotated[Optional[float], typer.Option(help="Also halt when this fraction of the last "
+                                                               "--skip-window steps were skipped.")] = None,
+    skip_window: Annotated[int, typer.Option(help="Window for --max-skip-fraction.")] = 100,
+    init_scale: Annotated[float, typer.Option(help="Initial dynamic loss scale.")] = 2.0 ** 16,
+    growth_interval: Annotated[int, typer.Option(help="Clean steps before the scale grows.")] = 2000,
+    hysteresis: Annotated[int, typer.Option(help="Overflows tolerated before the scale backs off.")] = 1,
+    min_scale: Annotated[float, typer.Option(help="The scale never backs off below this.")] = 1.0,
+    max_scale: Annotated[float, typer.Option(help="The scale never grows above this.")] = 2.0 ** 24,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Write a JSON Lines trace here (turns on watch hooks).")] = None,
+    trace_every: Annotated[int, typer.Option(help="Collect tensor statistics every N steps.")] = 50,
+    tensorboard: Annotated[Optional[Path], typer.Option(help="When training ends, also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom and divergence) as TensorBoard logs here (needs --trace and the tensorboard extra).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (last.pt, halted.pt).")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue from --checkpoint DIR/last.pt when it exists.")] = False,
+    save: Annotated[Optional[Path], typer.Option(help="Write the final model.state_dict() here.")] = None,
+    progress: Annotated[Optional[bool], typer.Option(help="Show a progress bar (default: when stderr is a "
+                                                     "terminal).")] = None,
+) -> None:
+    """Train a model file under mixed precision: loss scaling, clipping, accumulation, master weights, resume."""
+    from ampaudit.loading import load_target
+    from ampaudit.train.ddp import barrier, teardown
+    from ampaudit.train.trainer import Trainer
+
+    if (steps is None) == (epochs is None):
+        raise UsageError("give --steps N or --epochs E", hint="e.g. ampaudit train model.py --steps 1000")
+    if tensorboard is not None:
+        if trace is None:
+            raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
+        from ampaudit.integrations import require
+        require("tensorboard", extra="tensorboard", feature="--tensorboard")
+    if checkpoint_every is not None and checkpoint is None:
+        raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
+    loaded = load_target(target, entry=entry, need_inputs=False)
+    train_data, loss_fn = _hooks(loaded)
+    make_scheduler = loaded.hook("make_scheduler")
+    trainer = Trainer(
+        loaded.model, loss_fn, train_data, optimizer=loaded.hook("make_optimizer"), scheduler=make_scheduler,
+        lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
+        clip_mode="layer" if clip_per_layer else "norm", loss_scale=loss_scale,
+        max_consecutive_skips=max_consecutive_skips, device=device, trace=trace, trace_every=trace_every,
+        checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every,
+        progress=sys.stderr.isatty() if progress is None else progress,
+        scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,
+                        "min_scale": min_scale, "max_scale": max_scale, "skip_window": skip_window,
+                        "max_skip_fraction": max_skip_fraction},
+        meta={"target": loaded.display, "argv": sys.argv[1:]})
+    main = trainer.dist.is_main
+    if resume and main and checkpoint is not None:
+        last = checkpoint / LAST
+        typer.echo(f"resuming from {last}" if last.is_file() else f"no checkpoint at {last}; starting fresh",
+                   err=True)
+    try:
+        result = trainer.fit(steps, epochs=epochs, resume=resume)
+        if save is not None and main:
+            _save_weights(trainer.model, save)
+        # No rank may tear the process group down while another still uses it (gloo aborts the process).
+        barrier(trainer.dist)
+    except AmpAuditError as exc:
+        if isinstance(exc, TrainingHalted):
+            barrier(trainer.dist)   # every rank halts on the same step (their gradients are all-reduced)
+        if main:
+            raise
+        raise typer.Exit(exc.exit_code) from None   # rank 0 alone reports; the others exit with the same code
+    finally:
+        trainer.close()
+        gc.collect()   # the DDP reducer goes now, while the process group it talks to still exists
+        teardown()
+        if tensorboard is not None and main and trace.is_file():  # a halted run's trace is worth plotting too
+            from ampaudit.integrations.tensorboard import write_tensorboard
+            from ampaudit.runtime.trace import read_trace
+            count = write_tensorboard(read_trace(trace)[0], tensorboard)
+            typer.echo(f"wrote {count} TensorBoard scalars to {tensorboard}", err=True)
+    if main:
+        scale = "off" if result.scale is None else f"{result.scale:g}"
+        loss = "n/a" if result.loss is None else f"{result.loss:.6g}"
+        typer.echo(f"trained {result.steps} steps ({result.skipped} skipped); loss {loss}; loss scale {scale}")
+        if result.checkpoint is not None:
+            typer.echo(f"checkpoint: {result.checkpoint}")
+        if save is not None:
+            typer.echo(f"weights: {save}")
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        code = 130 if result.stopped == "SIGINT" else 143
+        if main:
+            typer.echo(f"stopped by {result.stopped} at step {result.steps}"
+                       + ("; rerun with --resume to continue" if result.checkpoint else ""), err=True)
+        raise typer.Exit(code)

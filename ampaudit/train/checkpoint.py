@@ -1,0 +1,126 @@
+"""Training checkpoints: atomic writes, RNG states, and loading with a clear error.
+
+A checkpoint is one ``torch.save`` dict (``model``, ``optimizer``, ``scaler``, ``masters``, ``scheduler``,
+``step``, ``data``, ``rng``, ``config``) holding only tensors and plain data, so it loads with
+``torch.load(weights_only=True)``. It is written to a temporary file in the same directory, fsynced, then
+renamed over the old one: a kill at any instant leaves either the previous checkpoint or the new one.
+
+    path = save_checkpoint(state, Path("ckpt") / LAST)
+    state = load_checkpoint(path)
+    restore_rng(state["rng"][rank])
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampaudit.errors import TrainError
+
+CHECKPOINT_VERSION = 1
+LAST = "last.pt"          # the latest periodic / interrupt checkpoint, what --resume reads
+HALTED = "halted.pt"      # written when the loss scaler halts the run; last.pt keeps the last good state
+DIAGNOSIS = "halt.json"
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is; some filesystems refuse O_RDONLY on dirs.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Any) -> Path:
+    """Call ``write(file_object)`` on a temporary file next to ``path``, fsync it, and rename it to ``path``.
+
+    Like ``ampaudit.fileio.atomic_write_bytes``, but streaming: ``torch.save`` writes straight to the file, so a
+    checkpoint of many GB is never held in memory a second time as bytes.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise TrainError(f"cannot write {path}: {exc.strerror}", hint="choose a writable location") from exc
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkstemp files are private (0600); the result gets the mode any new file would.
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def save_checkpoint(state: dict[str, Any], path: Path) -> Path:
+    """Write ``state`` atomically with ``torch.save``; return the path."""
+    state = {"version": CHECKPOINT_VERSION, **state}
+    return atomic_write(Path(path), lambda fh: torch.save(state, fh))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` (tensors and plain data only)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise TrainError(f"checkpoint not found: {path}", hint="check --checkpoint DIR") from exc
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as exc:
+        first = " ".join(str(exc).split())[:160]
+        raise TrainError(f"cannot read checkpoint {path}: {first}",
+                         hint="it may be from another tool or truncated; drop --resume to start fresh") from exc
+    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+        raise TrainError(f"{path} is not an ampaudit checkpoint (version {CHECKPOINT_VERSION})",
+                         hint="point --checkpoint at the directory ampaudit train wrote")
+    return state
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG state a training step may draw from: torch CPU, CUDA (all devices), Python, NumPy."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore the RNG states saved by :func:`capture_rng`."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))

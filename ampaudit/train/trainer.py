@@ -1,0 +1,403 @@
+"""The mixed-precision training loop, in the canonical order, with the usual failure modes designed out.
+
+One optimizer step = one window of ``accum`` micro-batches (per rank)::
+
+    for each micro-batch:  autocast forward -> loss / accum -> scaler.scale(loss).backward()   (no_sync but last)
+    at the boundary:       [O2: grads to FP32 masters] -> unscale_ once -> clip in fp32 once -> scaler.step
+                           -> [stepped: masters to model, scheduler.step] -> scaler.update -> zero_grad(None)
+
+    trainer = Trainer(model, loss_fn, train_data, dtype="float16", opt_level="O1", accum=4, clip_norm=1.0,
+                      checkpoint_dir="ckpt", checkpoint_every=100, trace="run.jsonl")
+    result = trainer.fit(steps=1000, resume=True)
+    torch.save(trainer.model.state_dict(), "final.pt")
+
+``train_data`` is a function returning an iterable of ``(inputs, target)`` (inputs: a Tensor, a tuple of them, or a
+dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``optimizer`` is a factory called with the
+parameters to optimize (the FP32 masters under O2; default AdamW), ``scheduler`` a factory called with the optimizer.
+A run that keeps skipping steps raises :class:`~ampaudit.errors.TrainingHalted` after writing a checkpoint and a
+diagnosis; SIGINT/SIGTERM end the run after the current step with a checkpoint (``result.stopped`` names the signal).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ampaudit.errors import TrainError, TrainingHalted, UsageError
+from ampaudit.fileio import atomic_write_text
+from ampaudit.runtime.trace import TraceWriter
+from ampaudit.train import ddp
+from ampaudit.train.checkpoint import (
+    DIAGNOSIS,
+    HALTED,
+    LAST,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
+from ampaudit.train.data import DataStream, as_factory
+from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
+from ampaudit.train.events import TrainTrace
+from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
+from ampaudit.train.progress import TrainProgress
+from ampaudit.train.scaler import LossScaler, scaler_for
+from ampaudit.train.signals import StopSignals
+
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "fp32": torch.float32}
+DEFAULT_HALT_DIR = Path("ampaudit-halt")   # where a halt checkpoint goes when no checkpoint_dir was given
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float16"``/``"bf16"``/``torch.bfloat16``... -> torch dtype, or a UsageError naming the choices."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise UsageError(f"unsupported training dtype {dtype!r}", hint="use float16, bfloat16 or float32")
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.fit` did. ``stopped``: "steps", "epochs", "SIGINT" or "SIGTERM"."""
+
+    steps: int
+    skipped: int
+    loss: float | None
+    scale: float | None
+    stopped: str
+    checkpoint: Path | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Mixed-precision trainer: O1/O2, loss-scale policy, clipping, accumulation, DDP, checkpoints."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], train_data: Any, *,
+                 optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, lr: float | None = None,
+                 dtype: str | torch.dtype = "float16", opt_level: str = "O1", accum: int = 1,
+                 clip_norm: float | None = None, clip_value: float | None = None, clip_mode: str = "norm",
+                 loss_scale: str | float | LossScaler = "auto", max_consecutive_skips: int | None = 50,
+                 scaler_options: dict[str, Any] | None = None,
+                 device: str | torch.device | None = None, trace: str | Path | TraceWriter | None = None,
+                 trace_every: int = 50, checkpoint_dir: str | Path | None = None,
+                 checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
+                 meta: dict[str, Any] | None = None):
+        self.dtype = parse_dtype(dtype)
+        self.opt_level = check_opt_level(opt_level)
+        if accum < 1:
+            raise UsageError(f"accum must be >= 1, got {accum}", hint="e.g. --accum 4")
+        if clip_norm is not None and clip_value is not None:
+            raise UsageError("clip by norm or by value, not both", hint="drop --clip-norm or --clip-value")
+        self._clip_mode = "value" if clip_value is not None else (clip_mode if clip_norm is not None else None)
+        self._clip_max = clip_value if clip_value is not None else clip_norm
+        check_clip(self._clip_mode, self._clip_max)
+        for name, value in (("checkpoint_every", checkpoint_every), ("trace_every", trace_every)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be >= 1, got {value}")
+        self.accum = accum
+        self._loss_fn = loss_fn
+        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self._checkpoint_every = checkpoint_every
+        self._progress_enabled = progress
+        self._meta = dict(meta or {})
+
+        self.device = _device(device)
+        self.dist = ddp.setup(self.device.type)
+        if self.device.type == "cuda" and self.dist.enabled:
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self._autocast = self.dtype != torch.float32
+
+        model.to(self.device)
+        if self.opt_level == "O2":
+            if self.dtype == torch.float32:
+                raise UsageError("opt level O2 needs --dtype float16 or bfloat16",
+                                 hint="use O1 for float32 training")
+            cast_model_o2(model, self.dtype)
+        else:
+            refuse_low_precision_weights(model)
+        self._forward_model = ddp.wrap(model, self.dist, self.device)
+        self.model = model
+        # Masters are taken after the DDP wrap: its constructor broadcasts rank 0's weights into the model.
+        self.masters = MasterWeights(model) if self.opt_level == "O2" else None
+        if self.masters is not None:
+            self._named = self.masters.named_parameters()
+        else:
+            self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in self._named]
+        if not params:
+            raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
+        self.optimizer = self._build_optimizer(optimizer, params, lr)
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else scaler_for(
+            loss_scale, self.dtype, self.device.type, max_consecutive_skips=max_consecutive_skips,
+            **(scaler_options or {}))
+        self._clip_groups = layer_groups(self._named) if self._clip_mode == "layer" else [params]
+        self._stream = DataStream(as_factory(train_data), accum=accum, rank=self.dist.rank,
+                                  world_size=self.dist.world_size)
+        self.step = 0
+        self._skips = SkipLog()
+        self._saved_step: int | None = None
+        self._signals = StopSignals(handle_signals)
+        # rank 0 alone writes the trace
+        self._trace = TrainTrace(trace if self.dist.is_main else None, model, dtype=self.dtype, every=trace_every)
+
+    # -- construction helpers ----------------------------------------------------------------------------------
+    def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
+                         ) -> torch.optim.Optimizer:
+        if optimizer is None:
+            opt = torch.optim.AdamW(params, lr=1e-3 if lr is None else lr)
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            if self.masters is not None:
+                raise UsageError("opt level O2 builds the optimizer over FP32 master weights",
+                                 hint="pass a factory, e.g. optimizer=lambda params: torch.optim.AdamW(params)")
+            opt = optimizer
+        else:
+            opt = optimizer(params)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TrainError(f"make_optimizer(params) returned {type(opt).__name__}, not a torch optimizer",
+                                 hint="return e.g. torch.optim.AdamW(params, lr=1e-3)")
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        return opt
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).replace("torch.", ""), "opt_level": self.opt_level,
+                "accum": self.accum, "world_size": self.dist.world_size}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bit-identical resume needs. Collective under DDP: every rank must call it."""
+        return {"step": self.step, "data": self._stream.position(), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": self.masters.state_dict() if self.masters is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "rng": ddp.gather(capture_rng(), self.dist), "config": self._config()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (or checkpoint); the run must have the same dtype, opt level, accum, W."""
+        mine, saved = self._config(), state.get("config", {})
+        diff = [f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v]
+        if diff:
+            raise TrainError(f"checkpoint does not match this run: {', '.join(diff)}",
+                             hint="resume with the settings it was written with, or drop --resume")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise TrainError(f"checkpoint does not fit this model/optimizer: {' '.join(str(exc).split())[:200]}",
+                             hint="resume with the same model file and optimizer") from exc
+        self.scaler.load_state_dict(state["scaler"])
+        if self.masters is not None:
+            self.masters.load_state_dict(state["masters"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self._stream.seek(state["data"])
+        rng = state["rng"]
+        restore_rng(rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0])
+
+    def save_checkpoint(self, name: str = LAST, directory: Path | None = None) -> Path | None:
+        """Write the state atomically to ``directory/name`` (rank 0); return the path (None on other ranks)."""
+        directory = directory or self._checkpoint_dir
+        if directory is None:
+            raise UsageError("no checkpoint directory", hint="pass checkpoint_dir / --checkpoint DIR")
+        state = self.state_dict()
+        path = None
+        if name == LAST:
+            self._saved_step = self.step
+        if self.dist.is_main:
+            path = save_checkpoint(state, directory / name)
+            self._trace.write("checkpoint", step=self.step, path=str(path))
+        ddp.barrier(self.dist)
+        return path
+
+    def close(self) -> None:
+        """Drop the DDP wrapper; call before leaving the process group (its reducer must not outlive it)."""
+        self._forward_model = self.model
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def fit(self, steps: int | None = None, *, epochs: int | None = None, resume: bool = False) -> TrainResult:
+        """Train for ``steps`` optimizer steps (in total, counting resumed ones) or ``epochs`` passes over the data.
+
+        ``resume=True`` continues from ``checkpoint_dir/last.pt`` when it exists (else starts fresh). With a
+        ``checkpoint_dir``, the state at the end (steps reached, data exhausted, or a signal) is saved there too.
+        """
+        if (steps is None) == (epochs is None):
+            raise UsageError("give either steps or epochs", hint="e.g. --steps 1000 or --epochs 3")
+        if (steps is not None and steps < 1) or (epochs is not None and epochs < 1):
+            raise UsageError(f"steps/epochs must be >= 1, got {steps if steps is not None else epochs}")
+        self._stream.epochs = epochs
+        resumed = False
+        if resume:
+            if self._checkpoint_dir is None:
+                raise UsageError("resume needs a checkpoint directory", hint="pass --checkpoint DIR with --resume")
+            if (self._checkpoint_dir / LAST).is_file():
+                self.load_state_dict(load_checkpoint(self._checkpoint_dir / LAST))
+                resumed = True
+        # a resumed or continued run extends its trace
+        self._trace.open(step=self.step, append=resumed or self.step > 0, meta=self._trace_meta())
+        losses: list[float] = []
+        stopped = "steps" if steps is not None else "epochs"
+        checkpoint: Path | None = None
+        try:
+            with self._signals, TrainProgress(steps, enabled=self._progress_enabled and self.dist.is_main,
+                                              completed=self.step) as bar:
+                while steps is None or self.step < steps:
+                    loss = self._train_step()
+                    if loss is None:
+                        break
+                    losses.append(loss)
+                    bar.update(self.step, loss=loss, scale=self.scaler.get_scale(), skipped=self.scaler.total_skips)
+                    halt = self.scaler.halt_reason()
+                    if halt:
+                        self._halt(halt, loss)
+                    if self._checkpoint_every and self.step % self._checkpoint_every == 0:
+                        checkpoint = self.save_checkpoint()
+                    if self._signals.signum is not None:
+                        stopped = self._signals.name
+                        break
+                if self._checkpoint_dir is not None and self._saved_step != self.step:
+                    checkpoint = self.save_checkpoint()   # the end state too, so --resume can extend a run
+        finally:
+            self._trace.close()
+        return TrainResult(steps=self.step, skipped=self.scaler.total_skips, loss=losses[-1] if losses else None,
+                           scale=self.scaler.get_scale(), stopped=stopped, checkpoint=checkpoint, losses=losses)
+
+    def _train_step(self) -> float | None:
+        """One optimizer step; None when the data ran out (the partial window is dropped)."""
+        step = self.step + 1
+        self._trace.set_step(step)
+        start = time.perf_counter()
+        total: torch.Tensor | None = None
+        for k, batch in enumerate(self._stream.window()):
+            with ddp.no_sync(self._forward_model, k < self.accum - 1):
+                loss = self._micro_step(batch)
+            total = loss if total is None else total + loss
+        if not self._stream.complete or total is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            return None
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = self.scaler.get_scale()
+        stepped, norm, clipped = self._optimizer_step(step, scale)
+        self.step = step
+        # Every rank leaves the loop on the same step: a signal seen by one rank stops them all.
+        (loss_value,), stop = ddp.mean_and_any([float(total)], self._signals.signum is not None, self.dist)
+        if stop and self._signals.signum is None:
+            self._signals.signum = signal.SIGTERM
+        self._trace.write("step", step=step, loss=loss_value, scale=scale, skipped=not stepped, grad_norm=norm,
+                          clipped=clipped, lr=lr, time=time.perf_counter() - start)
+        return loss_value
+
+    def _micro_step(self, batch: Any) -> torch.Tensor:
+        args, kwargs, target = self._split(batch)
+        try:
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self._autocast):
+                output = self._forward_model(*args, **kwargs)
+                loss = self._loss_fn(output, target)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            raise TrainError(f"forward or loss_fn failed at step {self.step + 1}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:240]}",
+                             hint="check that train_data() yields what forward() and loss_fn() take "
+                                  "(AMPAUDIT_DEBUG=1 shows the traceback)") from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TrainError(f"loss_fn must return a scalar tensor, got {got}", hint="reduce it, e.g. .mean()")
+        # fp32 before dividing and scaling: an fp16 loss times 65536 would overflow on its own.
+        loss = loss.float() / self.accum
+        self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def _optimizer_step(self, step: int, scale: float | None) -> tuple[bool, float | None, bool]:
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+        self.scaler.unscale_(self.optimizer)
+        norm, clipped = clip_gradients(self._clip_groups, mode=self._clip_mode, max_value=self._clip_max,
+                                       want_norm=self._trace.active)
+        stepped = self.scaler.step(self.optimizer)
+        if stepped:
+            if self.masters is not None:
+                self.masters.copy_to_model()
+            if self.scheduler is not None:
+                self.scheduler.step()   # only when the optimizer stepped: a skipped step must not advance the LR
+        else:
+            self._record_skip(step, scale)
+        self.scaler.update(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.model.zero_grad(set_to_none=True)
+        return stepped, norm, clipped
+
+    def _record_skip(self, step: int, scale: float | None) -> None:
+        params, modules = self._trace.skip(step, scale, self._named, model_grads=self.masters is None)
+        self._skips.record(step, scale, params, modules)
+
+    def _halt(self, reason: str, loss: float) -> None:
+        diagnosis = halt_diagnosis(reason, self.step, self.scaler, self._skips, loss=loss)
+        directory = self._checkpoint_dir or DEFAULT_HALT_DIR
+        self.save_checkpoint(HALTED, directory)
+        if self.dist.is_main:
+            atomic_write_text(directory / DIAGNOSIS, json.dumps(diagnosis, indent=2),
+                              hint="choose a writable --checkpoint directory")
+            self._trace.close_watch()   # its last statistics go before the halt event, which ends the trace
+            self._trace.write("halt", step=self.step, reason=reason, diagnosis=diagnosis)
+        raise TrainingHalted(f"training halted at step {self.step}: {reason}; {describe(diagnosis)}",
+                             hint=f"checkpoint and diagnosis in {directory}/; try bfloat16, keep those modules in "
+                                  "fp32 (ampaudit check), or lower the learning rate")
+
+    def _split(self, batch: Any) -> tuple[tuple, dict, Any]:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TrainError(f"train_data() must yield (inputs, target) pairs, got {type(batch).__name__}",
+                             hint="yield x, y where x is a tensor, a tuple of tensors or a dict")
+        inputs, target = batch
+        if self.device.type != "cpu":
+            inputs, target = _to(inputs, self.device), _to(target, self.device)
+        if isinstance(inputs, dict):
+            return (), inputs, target
+        if isinstance(inputs, (tuple, list)):
+            return tuple(inputs), {}, target
+        return (inputs,), {}, target
+
+    def _trace_meta(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+                "model": type(self.model).__name__, "opt_level": self.opt_level, "accum": self.accum,
+                "world_size": self.dist.world_size, "scaler": self.scaler.config(),
+                "clip": {"mode": self._clip_mode, "max": self._clip_max}, **self._meta}
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"unknown device {device!r}", hint="use cpu or cuda") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("cuda requested but no CUDA device is available", hint="use --device cpu")
+    return dev
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+__all__ = ["TrainResult", "Trainer", "parse_dtype"]

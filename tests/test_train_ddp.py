@@ -1,0 +1,59 @@
+"""Two-process gloo DDP with accumulation equals one process with the same global batch."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ASSETS, ROOT, load_module
+
+from ampaudit.runtime.trace import read_trace
+from ampaudit.train import Trainer
+
+MLP = ASSETS / "train_mlp.py"
+PORT_TROUBLE = ("EADDRINUSE", "Address already in use", "RendezvousConnectionError", "RendezvousTimeoutError")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_two_rank_ddp_equals_one_process_with_the_global_batch(tmp_path):
+    final, trace = tmp_path / "ddp.pt", tmp_path / "ddp.jsonl"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = ["-m", "ampaudit", "train", str(MLP), "--entry", "deterministic_model", "--steps", "3", "--accum", "2",
+            "--dtype", "float16", "--clip-norm", "1.0", "--save", str(final), "--trace", str(trace)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for _attempt in range(2):
+        done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=180, check=False)
+        # --standalone picks a free port; on a busy shared machine another process can take it first
+        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
+            break
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
+    assert done.stdout.count("trained 3 steps") == 1, done.stdout   # rank 0 alone prints
+    events, problems = read_trace(trace)
+    assert not problems and events[0]["world_size"] == 2
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]   # rank 0 alone writes
+
+    mlp = load_module(MLP)
+    single = Trainer(mlp.deterministic_model(), mlp.loss_fn, mlp.train_data, optimizer=mlp.make_optimizer,
+                     dtype="float16", accum=4, clip_norm=1.0, handle_signals=False)
+    result = single.fit(steps=3)
+    ddp_state = torch.load(final, weights_only=True)
+    for name, p in single.model.named_parameters():
+        assert torch.allclose(ddp_state[name], p.detach(), rtol=1e-3, atol=1e-4), name
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert losses == pytest.approx(result.losses, rel=1e-3)     # the logged loss is the mean over ranks
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_two_rank_halt_stops_every_rank_with_exit_3(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = ["-m", "ampaudit", "train", str(ASSETS / "train_overflow.py"), "--steps", "50",
+            "--max-consecutive-skips", "3", "--checkpoint", str(ckpt)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=180, check=False)
+    # torchrun itself exits 1 when a worker fails; the workers' own codes are in its report
+    assert done.returncode != 0
+    assert "exitcode  : 3" in done.stderr and "SIGABRT" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("error: training halted at step 3") == 1      # rank 0 alone reports
+    assert torch.load(ckpt / "halted.pt", weights_only=True)["step"] == 3
+    assert (ckpt / "halt.json").is_file()
