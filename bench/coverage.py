@@ -1,0 +1,213 @@
+"""Coverage of `ampaudit.check` over real model zoos, beside plain torch.fx and torch.export.
+
+    python bench/coverage.py                                   # every family (see BENCHMARKS.md for the time)
+    python bench/coverage.py --families torchvision-cls --limit 3 --workers 1     # a smoke run
+    python bench/coverage.py --json rows.json --markdown       # per-model rows, and tables for BENCHMARKS.md
+
+Families: all torchvision classification models, every torchvision detection and segmentation model, the
+``--timm-count`` smallest-sounding timm models taken round-robin over timm's modules (one architecture each
+before any gets a second), and tiny random-init configs of 22 transformers architectures. Nothing is downloaded.
+
+For each model a worker process runs the stages of ``coverage_runner`` (eager forward, plain fx trace, plain
+torch.export, ``ampaudit.check`` with capture_mode="auto"), each under ``--timeout`` seconds. A *complete
+audit* is a check that returns a Report on a model whose eager forward runs; shares are over those models.
+Exit status 0 when every such model got a complete audit, 1 otherwise.
+
+Needs the ``bench`` extra, with torch pinned so pip picks the torchvision built for it. PyPI's torchvision is a
+CUDA build, which breaks ``import transformers`` beside a ``+cpu`` torch, so there use a venv of its own
+(``coverage_tvops`` supplies the ops its extension would have):
+
+    python -m venv --system-site-packages .venv-bench
+    .venv-bench/bin/pip install -e '.[bench]' torch==2.13.0          # torchvision 0.28.0, timm, transformers
+    .venv-bench/bin/python bench/coverage.py --workers 2 --timeout 90 --json coverage.json --markdown
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from coverage_models import FAMILIES  # noqa: E402
+from coverage_runner import STAGES, run_all  # noqa: E402
+
+CAPTURES = ("fx", "export", "dispatch")
+COLUMNS = ("family", "models", "eager ok", "fx", "export", "ampaudit", "captures used")
+
+
+def share(rows: list[dict], stage: str) -> tuple[int, int]:
+    """(models whose ``stage`` succeeded, models whose eager forward ran)."""
+    base = [r for r in rows if r["eager"]]
+    return sum(1 for r in base if r[stage]), len(base)
+
+
+def _pct(hit: int, total: int) -> str:
+    return f"{100.0 * hit / total:.1f}% ({hit}/{total})" if total else "-"
+
+
+def family_table(rows: list[dict]) -> list[list[str]]:
+    """One line per family and a total: models, eager ok, fx / export / ampaudit shares, captures used."""
+    lines = []
+    groups = [(f, [r for r in rows if r["family"] == f]) for f in FAMILIES]
+    for name, group in [g for g in groups if g[1]] + [("all", rows)]:
+        used = {c: sum(1 for r in group if r["eager"] and r["capture"] == c) for c in CAPTURES}
+        lines.append([name, str(len(group)), str(share(group, "eager")[0]),
+                      _pct(*share(group, "fx")), _pct(*share(group, "export")), _pct(*share(group, "ampaudit")),
+                      ", ".join(f"{c} {n}" for c, n in used.items() if n) or "-"])
+    return lines
+
+
+def capture_table(rows: list[dict]) -> list[list[str]]:
+    """One line per capture mode auto chose: audits, share of eager-ok models, median and max check seconds."""
+    base = [r for r in rows if r["eager"]]
+    lines = []
+    for c in CAPTURES:
+        used = [r for r in base if r["ampaudit"] and r["capture"] == c]
+        secs = [r["seconds"].get("ampaudit", 0.0) for r in used]
+        lines.append([c, str(len(used)), _pct(len(used), len(base)),
+                      f"{statistics.median(secs):.2f}" if secs else "-", f"{max(secs):.2f}" if secs else "-",
+                      ", ".join(sorted({r["family"] for r in used})) or "-"])
+    return lines
+
+
+CAPTURE_COLUMNS = ("capture", "audits", "share of eager-ok", "median check s", "max check s", "families")
+
+
+def render(header: tuple[str, ...], lines: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(line) + " |" for line in lines]
+        return "\n".join(out)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """Models whose eager forward runs but whose audit did not complete, with the error."""
+    return [f"{r['family']}/{r['model']}: {r['errors'].get('ampaudit', 'not run')}"
+            for r in rows if r["eager"] and not r["ampaudit"]]
+
+
+def write_json(path: Path, payload: dict) -> None:
+    # Atomic: a killed run leaves the previous file, never half of one.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for pkg in ("torch", "torchvision", "timm", "transformers"):
+        try:
+            found[pkg] = version(pkg)
+        except PackageNotFoundError:
+            found[pkg] = None
+    return found
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help=f"comma-separated subset of: {', '.join(FAMILIES)}")
+    p.add_argument("--limit", type=int, default=None, help="at most N models per family (smoke runs)")
+    p.add_argument("--models", default=None, help="comma-separated model names: run only these")
+    p.add_argument("--timm-count", type=int, default=160, help="how many timm models (default 160)")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds per stage of one model (default 90)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--json", type=Path, default=None, help="write the per-model rows here")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown (for BENCHMARKS.md)")
+    p.add_argument("--quiet", action="store_true", help="no line per model while running")
+    args = p.parse_args(argv)
+    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        p.error(f"unknown family {', '.join(unknown)}; use some of {', '.join(FAMILIES)}")
+    if args.timeout <= 0 or args.workers < 1:
+        p.error("--timeout must be positive and --workers at least 1")
+    return args
+
+
+def select(args: argparse.Namespace) -> list[dict]:
+    from coverage_models import list_models
+
+    specs = []
+    for family in args.families:
+        try:
+            found = list_models([family], timm_count=args.timm_count)
+        except ImportError as exc:
+            print(f"error: the {family} family needs {exc.name or 'its library'}: "
+                  "pip install -e '.[bench]' torch==<the installed torch>", file=sys.stderr)
+            raise SystemExit(2) from None
+        if args.models:
+            wanted = {m.strip() for m in args.models.split(",")}
+            found = [s for s in found if s["name"] in wanted]
+        specs.extend(found[: args.limit] if args.limit is not None else found)
+    return specs
+
+
+def _progress(done: list, total: int, quiet: bool, json_path: Path | None, meta: dict):
+    def on_row(row: dict) -> None:
+        done.append(row)
+        if json_path is not None:   # rows so far, so a run stopped halfway still leaves its numbers
+            write_json(json_path, {"meta": {**meta, "partial": True}, "rows": done})
+        if quiet:
+            return
+        marks = " ".join(f"{s}={'-' if row[s] is None else 'ok' if row[s] else 'FAIL'}" for s in STAGES)
+        extra = f" capture={row['capture']}" if row["capture"] else ""
+        err = row["errors"].get("ampaudit") or (row["errors"].get("eager") if not row["eager"] else "")
+        print(f"[{len(done)}/{total}] {row['family']}/{row['model']}: {marks}{extra}"
+              + (f"  ({err[:120]})" if err else ""), flush=True)
+    return on_row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    specs = select(args)
+    if not specs:
+        print("no models selected", file=sys.stderr)
+        return 2
+    done: list[dict] = []
+    meta = {"versions": versions(), "families": args.families, "limit": args.limit, "timm_count": args.timm_count,
+            "timeout": args.timeout, "workers": args.workers, "argv": sys.argv[1:]}
+    rows = run_all(specs, workers=args.workers, timeout=args.timeout,
+                   on_row=_progress(done, len(specs), args.quiet, args.json, meta))
+    wall = time.perf_counter() - start
+    meta["wall_s"] = round(wall, 1)
+    if args.json:
+        write_json(args.json, {"meta": meta, "rows": rows})
+    print()
+    print(render(COLUMNS, family_table(rows), args.markdown))
+    print()
+    print(render(CAPTURE_COLUMNS, capture_table(rows), args.markdown))
+    bad = failures(rows)
+    print()
+    print(f"{len(rows)} models in {wall:.0f} s; shares are of models whose eager forward runs; "
+          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    partial = [f"{r['family']}/{r['model']}" for r in rows if r["ampaudit"]
+               and any(n.startswith("shapes unknown") for n in r["notes"])]
+    if partial:
+        print(f"{len(partial)} complete audit(s) with nodes of unknown shape: {', '.join(partial)}")
+    for line in bad:
+        print(f"incomplete audit: {line}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""bench/coverage.py: the tables, the plain-PyTorch nms, and smoke runs of the worker pool on torchvision models.
+
+The smoke runs need the ``bench`` extra's torchvision; without it they are skipped (CI may not install it).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import coverage as cov  # noqa: E402
+from coverage_tvops import _nms_cpu  # noqa: E402
+
+
+def _row(family, model, eager=True, fx=True, export=True, ampaudit=True, capture="fx", seconds=1.0, error=None):
+    return {"family": family, "model": model, "device": "meta", "eager": eager, "fx": fx, "export": export,
+            "ampaudit": ampaudit, "capture": capture if ampaudit else None, "findings": 0,
+            "seconds": {"ampaudit": seconds}, "errors": {"ampaudit": error} if error else {}, "notes": []}
+
+
+ROWS = [
+    _row("torchvision-cls", "a"),
+    _row("torchvision-cls", "b", fx=False, capture="export", seconds=3.0),
+    _row("torchvision-det", "c", fx=False, export=False, capture="dispatch", seconds=9.0),
+    _row("timm", "d", eager=False, fx=None, export=None, ampaudit=None),
+    _row("timm", "e", fx=False, export=False, ampaudit=False, error="CaptureError: boom"),
+]
+
+
+def test_shares_count_only_models_whose_eager_forward_runs():
+    assert cov.share(ROWS, "ampaudit") == (3, 4)
+    assert cov.share(ROWS, "fx") == (1, 4)
+    table = {line[0]: line for line in cov.family_table(ROWS)}
+    assert table["timm"][1:6] == ["2", "1", "0.0% (0/1)", "0.0% (0/1)", "0.0% (0/1)"]
+    assert table["all"][5] == "75.0% (3/4)"
+    assert table["torchvision-cls"][6] == "fx 1, export 1"
+    assert "transformers" not in table   # families without rows get no line
+
+
+def test_capture_table_and_failures():
+    lines = {line[0]: line for line in cov.capture_table(ROWS)}
+    assert lines["dispatch"][1:5] == ["1", "25.0% (1/4)", "9.00", "9.00"]
+    assert lines["export"][5] == "torchvision-cls"
+    assert cov.failures(ROWS) == ["timm/e: CaptureError: boom"]
+    md = cov.render(cov.COLUMNS, cov.family_table(ROWS), markdown=True).splitlines()
+    assert md[0].startswith("| family | models |") and md[1] == "|" + "---|" * len(cov.COLUMNS)
+
+
+def test_bad_flags_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cov.parse_args(["--families", "torchvision-cls,nope"])
+    assert exc.value.code == 2
+    assert "unknown family nope" in capsys.readouterr().err
+
+
+def _nms_reference(boxes, scores, thr):
+    def iou(a, b):
+        lt, rb = torch.maximum(a[:2], b[:2]), torch.minimum(a[2:], b[2:])
+        inter = (rb - lt).clamp(min=0).prod()
+        area = lambda x: (x[2] - x[0]) * (x[3] - x[1])  # noqa: E731
+        return inter / (area(a) + area(b) - inter)
+
+    keep = []
+    for i in scores.argsort(descending=True).tolist():
+        if all(iou(boxes[i], boxes[j]) <= thr for j in keep):
+            keep.append(i)
+    return keep
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plain_nms_matches_greedy_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    boxes = torch.rand(60, 4, generator=g) * 50
+    boxes[:, 2:] += boxes[:, :2] + 1
+    scores = torch.rand(60, generator=g)
+    assert _nms_cpu(boxes, scores, 0.5).tolist() == _nms_reference(boxes, scores, 0.5)
+    assert _nms_cpu(boxes[:0], scores[:0], 0.5).numel() == 0
+
+
+def _torchvision_or_skip():
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("the bench extra (torchvision) is not installed")
+    from coverage_tvops import import_torchvision
+
+    try:
+        import_torchvision()
+    except Exception as exc:   # a torchvision that does not fit this torch
+        pytest.skip(f"torchvision does not import beside torch {torch.__version__}: {exc}")
+
+
+def _run(tmp_path, *flags):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "coverage.py"), "--families", "torchvision-cls",
+                           "--workers", "1", "--json", str(out), *flags],
+                          check=False, capture_output=True, text=True, timeout=240)
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_smoke_run_audits_every_model_whose_forward_runs(tmp_path):
+    _torchvision_or_skip()
+    proc, payload = _run(tmp_path, "--models", "alexnet,squeezenet1_1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = payload["rows"]
+    assert [r["model"] for r in rows] == ["alexnet", "squeezenet1_1"]
+    for r in rows:
+        assert r["eager"] and r["device"] == "meta"
+        assert r["ampaudit"] and r["capture"] == "fx" and r["fx"] is True and r["export"] is True
+        assert set(r["seconds"]) >= {"eager", "fx", "export", "ampaudit"}
+    assert "torchvision-cls  2" in proc.stdout and "100.0% (2/2)" in proc.stdout
+    assert payload["meta"]["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert "partial" not in payload["meta"] and payload["meta"]["wall_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_stage_past_the_time_limit_is_recorded_and_the_run_goes_on(tmp_path):
+    _torchvision_or_skip()
+    proc, payload = _run(tmp_path, "--limit", "1", "--timeout", "0.001")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [row] = payload["rows"]
+    assert row["eager"] is False and row["errors"]["eager"].startswith("timeout after")
+    assert row["ampaudit"] is None   # no model whose forward runs, so no incomplete audit and exit 0
+
+
+def test_a_family_whose_library_is_missing_is_a_one_line_error():
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here")
+    proc = subprocess.run([sys.executable, str(BENCH / "coverage.py"), "--families", "torchvision-cls"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: the torchvision-cls family needs torchvision: pip install -e '.[bench]' torch==<the installed torch>"]
