@@ -62,3 +62,21 @@ def test_forward_raising_under_autocast_is_recorded_in_fp32(planted):
     report = ampaudit.check(m.build_model(), *m.example_inputs(), device="cpu", capture_mode="dispatch")
     assert any("raised" in n for n in report.notes)
     assert any(f.rule == "AMP401" and f.module == "attn" for f in report.findings)
+
+
+def test_dispatch_capture_keeps_shapes_past_data_dependent_ops():
+    class Select(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 32)
+            self.fc2 = nn.Linear(32, 30)
+
+        def forward(self, x):
+            h = self.fc(x)
+            keep = torch.nonzero(h[:, 0] > -1e9).squeeze(1)   # no fake kernel: output size depends on values
+            return self.fc2(h[keep]).softmax(-1)
+
+    report = ampaudit.check(Select(), torch.randn(4, 8), device="cpu", capture_mode="dispatch")
+    assert not any("shapes unknown" in n for n in report.notes)
+    softmax = next(f for f in report.findings if f.rule == "AMP201")
+    assert softmax.details["depth"] == 30

@@ -150,9 +150,10 @@ class AmpProp(fx.Interpreter):
         try:
             result = super().run_node(n)
         except Exception as exc:  # an op without a fake kernel: shapes downstream are unknown, dtypes still flow
-            result = None
-            info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-            self.unknown.append(n)
+            result = self._recorded(n)
+            if result is None:
+                info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+                self.unknown.append(n)
             if n.op == "placeholder":
                 raise
         tensors = _tensors(result)
@@ -164,6 +165,24 @@ class AmpProp(fx.Interpreter):
         if result is None and info.error:
             raise _Unknown(n)
         return result
+
+    def _recorded(self, n: fx.Node) -> Any:
+        """The output a dispatch capture recorded for ``n`` (meta tensors), as this run's kind of tensor."""
+        example = n.meta.get("ampaudit_example")
+        if example is None:
+            return None
+        device = self._param_device()
+        if device.type == "meta":
+            return example
+
+        def convert(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                real = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return self.fake_mode.from_tensor(real)
+
+        return tree_map(convert, example)
 
     def run(self, *args, **kwargs):
         # Like Interpreter.run, but a node without a fake kernel only blanks the nodes that depend on it.

@@ -21,6 +21,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, user_frame
 from ampaudit.errors import CaptureError
 
+EXAMPLE_KEY = "ampaudit_example"
+
+
+def _meta_like(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
 # Ops that only describe tensors, not compute with them: kept out of the graph.
 _SKIP = {"detach", "alias", "lift_fresh", "_has_compatible_shallow_copy_type", "is_same_size"}
 
@@ -81,13 +90,17 @@ class _Recorder(TorchDispatchMode):
         node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
         node.meta[MODULE_KEY] = self.modules.current
         node.meta[SOURCE_KEY] = user_frame()
+        # What the op really returned, as meta tensors: propagation falls back on it where an op has no fake
+        # kernel (nonzero, data-dependent indexing), so shapes downstream stay known for this recorded path.
+        node.meta[EXAMPLE_KEY] = tree_map(_meta_like, out)
         if isinstance(out, torch.Tensor):
             self.known[out] = node
         elif isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     item = self.graph.call_function(_getitem, (node, i))
-                    item.meta.update({MODULE_KEY: node.meta[MODULE_KEY], SOURCE_KEY: node.meta[SOURCE_KEY]})
+                    item.meta.update({MODULE_KEY: node.meta[MODULE_KEY], SOURCE_KEY: node.meta[SOURCE_KEY],
+                                      EXAMPLE_KEY: _meta_like(o)})
                     self.known[o] = item
         return out
 
