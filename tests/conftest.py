@@ -23,6 +23,13 @@ def load_module(path: Path):
     return module
 
 
+def load_planted(name: str):
+    """Import ../shared/planted/<name>.py; skip the test when the folder is absent."""
+    if not PLANTED.is_dir():
+        pytest.skip(f"planted models not found at {PLANTED}")
+    return load_module(PLANTED / f"{name}.py")
+
+
 @pytest.fixture
 def planted():
     """Return a loader for ../shared/planted/<name>.py; skips when the folder is absent."""

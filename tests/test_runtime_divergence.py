@@ -1,9 +1,7 @@
 """FP32 shadow comparisons: metric arithmetic, compare_to_fp32 on planted and benign models."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,16 +9,7 @@ import torch.nn as nn
 
 from ampaudit.runtime.divergence import batched_sums, compare_to_fp32, finish_metrics, metric_sums
 
-PLANTED = Path(__file__).parents[1].parent / "shared" / "planted"
-
-
-def load_planted(name: str):
-    if not PLANTED.is_dir():
-        pytest.skip(f"planted models not found at {PLANTED}")
-    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_planted
 
 
 def test_metrics_match_their_definitions():

@@ -1,8 +1,6 @@
 """First non-finite origin: planted fp16 faults name EXPECT's culprit, forward and backward."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,16 +8,7 @@ import torch.nn as nn
 
 from ampaudit.runtime.locate import locate_nonfinite, replay
 
-PLANTED = Path(__file__).parents[1].parent / "shared" / "planted"
-
-
-def load_planted(name: str):
-    if not PLANTED.is_dir():
-        pytest.skip(f"planted models not found at {PLANTED}")
-    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_planted
 
 
 @pytest.mark.parametrize("name", ["mask_fill", "gelu_cube", "cumsum_pool"])

@@ -1,10 +1,8 @@
 """ampaudit.watch inside ordinary training loops: non-finite origins, statistics, skips, hooks, trace."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +11,7 @@ import torch.nn as nn
 from ampaudit.runtime.trace import TraceWriter, read_trace
 from ampaudit.runtime.watch import NonFiniteError, Watch, watch
 
-PLANTED = Path(__file__).parents[1].parent / "shared" / "planted"
-
-
-def load_planted(name: str):
-    if not PLANTED.is_dir():
-        pytest.skip(f"planted models not found at {PLANTED}")
-    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_planted
 
 
 def train(planted, model, w: Watch, steps: int, *, autocast: bool = True, half: bool = False):

@@ -33,7 +33,7 @@ for _name in ("lightning.pytorch", "pytorch_lightning"):
 if _pl is None:
     require("lightning.pytorch", extra="lightning", feature="ampaudit.integrations.lightning")
 
-from ampaudit.integrations.session import WatchSession  # noqa: E402  (after the dependency check)
+from ampaudit.integrations.session import SessionViews, WatchSession  # noqa: E402  (after the dependency check)
 
 __all__ = ["AmpAuditCallback", "precision_dtype"]
 
@@ -68,7 +68,7 @@ def _loss(outputs: Any) -> Any:
     return None
 
 
-class AmpAuditCallback(_pl.Callback):
+class AmpAuditCallback(SessionViews, _pl.Callback):
     """Runs :func:`ampaudit.watch` on the LightningModule during ``fit``; events go to ``trace`` (JSON Lines)
     or, when it is None, to :attr:`events`.
 
@@ -90,16 +90,6 @@ class AmpAuditCallback(_pl.Callback):
         self.dtype = dtype
         self._scale: float | None = None       # the loss scale the current step runs with
         self._stepped = False
-
-    @property
-    def events(self) -> list[dict]:
-        """Every event of the run so far (read back from the trace file when there is one)."""
-        return self.session.events
-
-    @property
-    def skips(self) -> list[dict]:
-        """One ``{"step", "params", "modules"}`` per step the scaler skipped."""
-        return self.session.skips
 
     # --- Lightning hooks -----------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

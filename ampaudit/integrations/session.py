@@ -55,6 +55,22 @@ def _float(value: Any) -> float | None:
         return None
 
 
+class SessionViews:
+    """What both framework callbacks expose about their :class:`WatchSession` (held as ``self.session``)."""
+
+    session: "WatchSession"
+
+    @property
+    def events(self) -> list[dict]:
+        """Every event of the run so far (read back from the trace file when there is one)."""
+        return self.session.events
+
+    @property
+    def skips(self) -> list[dict]:
+        """One ``{"step", "params", "modules"}`` per step the scaler skipped."""
+        return self.session.skips
+
+
 class WatchSession:
     """One watched training run: a :class:`Watch` plus ``step`` events; see the module docstring."""
 

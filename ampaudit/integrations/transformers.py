@@ -28,7 +28,7 @@ from ampaudit.integrations import require
 _transformers = require("transformers", extra="transformers", feature="ampaudit.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402  (after the dependency check)
 
-from ampaudit.integrations.session import WatchSession  # noqa: E402
+from ampaudit.integrations.session import SessionViews, WatchSession  # noqa: E402
 
 __all__ = ["AmpAuditCallback", "args_dtype"]
 
@@ -48,7 +48,7 @@ def _output_loss(out: Any) -> Any:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
-class AmpAuditCallback(TrainerCallback):
+class AmpAuditCallback(SessionViews, TrainerCallback):
     """Runs :func:`ampaudit.watch` on the model during ``Trainer.train``; events go to ``trace`` (JSON Lines)
     or, when it is None, to :attr:`events`.
 
@@ -78,16 +78,6 @@ class AmpAuditCallback(TrainerCallback):
         self._amp_ctx: Any = None
         self._depth = 0
         self._model: nn.Module | None = None
-
-    @property
-    def events(self) -> list[dict]:
-        """Every event of the run so far (read back from the trace file when there is one)."""
-        return self.session.events
-
-    @property
-    def skips(self) -> list[dict]:
-        """One ``{"step", "params", "modules"}`` per step the scaler skipped."""
-        return self.session.skips
 
     def _on_output(self, module: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
         # Only the first training forward of each micro-batch: the divergence probe and the non-finite replay
