@@ -17,22 +17,7 @@ from ampaudit.report.github import annotation, escape_data, escape_property, to_
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / "examples" / "github" / "ampaudit.yml"
 
-MISALIGNED = '''
-import torch, torch.nn as nn
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__(); self.fc1 = nn.Linear(64, 50); self.fc2 = nn.Linear(50, 16)
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-def build_model():
-    return Net()
-
-def example_inputs():
-    return (torch.randn(8, 64),)
-'''
-CLEAN = MISALIGNED.replace("50", "48")
+from _shared_models import CLEAN_SOURCE as CLEAN, MISALIGNED_SOURCE as MISALIGNED
 
 
 def _finding(severity: str = "warning", location: dict | None = None, **kw) -> Finding:

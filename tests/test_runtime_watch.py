@@ -233,20 +233,7 @@ def test_ddp_wrapped_model_is_unwrapped_for_names(tmp_path):
         dist.destroy_process_group()
 
 
-class _Boost(nn.Module):
-    def forward(self, x):
-        return x * 3000.0          # small forward; the backward multiplies gradients by 3000
-
-
-class _BackwardOverflow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 8, bias=False)
-        self.boost = _Boost()
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.boost(self.inp(x))))
+from _shared_models import BackwardOverflow as _BackwardOverflow
 
 
 def test_skipped_step_replays_and_locates_a_backward_overflow():
