@@ -14,7 +14,8 @@ Findings it should produce (CUDA fp16 policy):
 - ``constant``: ``blocks.*.attn`` multiplies the fp16 mask by -1e9, which fp16 cannot hold (max 65504): the
   masked scores become -inf. Causal rows always keep the diagonal, so this stays silent (no NaN) here, but a
   fully masked row (padding) would turn into NaN.
-- ``sensitive-op``: softmax and layer_norm run in fp16 under the CPU policy (CUDA autocast keeps them fp32).
+- ``sensitive-op``: softmax runs in fp16 under the CPU policy (CUDA autocast keeps it fp32). The LayerNorms
+  stay fp32 even on CPU: the residual stream starts from the embeddings, which autocast leaves in fp32.
 It trains in FP32, bf16 and fp16 (with a loss scaler) without non-finite values.
 """
 from __future__ import annotations
