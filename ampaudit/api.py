@@ -18,7 +18,7 @@ from ampaudit.analysis.amp_prop import AmpProp
 from ampaudit.capture import Capture, capture_any
 from ampaudit.errors import UsageError
 from ampaudit.findings import Report
-from ampaudit.policy import Policy, settings
+from ampaudit.policy import Policy
 from ampaudit.rules.engine import relative_location, run_rules
 from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
@@ -68,7 +68,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     g_args, g_kwargs = cap.graph_inputs(args, kwargs)
     prop.propagate(*g_args, **g_kwargs)
     _require_tensor_output(cap)
-    ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, settings=settings())
+    ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy)
     if calibrate:
         ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy)
     findings, suppressed = run_rules(ctx, active)

@@ -1,7 +1,6 @@
 """The model-file protocol: what loads, and the one-line error for each way it can fail."""
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch

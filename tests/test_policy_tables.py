@@ -6,7 +6,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-import ampaudit
 from ampaudit.analysis import AMP_KEY, AmpProp
 from ampaudit.capture import capture
 from ampaudit.policy import Policy

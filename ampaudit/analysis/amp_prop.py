@@ -15,7 +15,6 @@ so masks built with ``.to(scores.dtype)`` get the dtype they would really have.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,10 +284,6 @@ class AmpProp(fx.Interpreter):
 
 
 _GEMM_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d"}
-
-
-def _is_gemm(op: str) -> bool:
-    return op in _GEMM_OPS
 
 
 class _Unknown(Exception):

@@ -179,12 +179,11 @@ def every_hit(aud, *, select: Sequence[str] | None = None, ignore: Sequence[str]
     a fix must see both. Source-comment suppressions (``# ampaudit: ignore``) are honoured as in the report.
     """
     from ampaudit.capture.fx_capture import SOURCE_KEY
-    from ampaudit.policy import settings
     from ampaudit.rules.engine import suppressed_by_comment
     from ampaudit.rules.loader import load_rules, rule_selected
     from ampaudit.rules.registry import MATCHERS, MatchContext
 
-    ctx = MatchContext(gm=aud.capture.gm, root=aud.capture.root, policy=aud.policy, settings=settings())
+    ctx = MatchContext(gm=aud.capture.gm, root=aud.capture.root, policy=aud.policy)
     out: list[Finding] = []
     for rule in load_rules(list(rules_dirs)):
         if rule.family not in ISLAND_FAMILIES or rule.family in MODULE_FAMILIES or rule.id in NOT_ISLANDED:

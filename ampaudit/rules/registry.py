@@ -9,7 +9,7 @@ and fix must be one the matcher declares, so a typo is an error naming the file 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,7 +41,6 @@ class MatchContext:
     gm: fx.GraphModule
     root: torch.nn.Module
     policy: Policy
-    settings: dict = field(default_factory=dict)
     calibration: Any = None              # an ampaudit.calibrate.Calibration with check --calibrate
 
     def nodes(self) -> Iterator[fx.Node]:

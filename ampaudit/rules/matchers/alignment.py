@@ -20,10 +20,6 @@ _LINEAR_OPS = ("linear", "addmm", "mm", "matmul")
 _LINEAR_GEMMS = {"in_features": "forward K, dgrad M, wgrad M", "out_features": "forward M, dgrad K, wgrad N"}
 
 
-def _multiple(ctx: MatchContext, node: fx.Node) -> int:
-    return ctx.policy.alignment
-
-
 def _runs_low(ctx: MatchContext, node: fx.Node) -> bool:
     return ctx.is_low(node.meta[AMP_KEY].compute_dtype)
 
@@ -55,7 +51,7 @@ def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         yield from _hits(node, "Linear", f"{fin}->{fout}",
                          [("in_features", fin, _LINEAR_GEMMS["in_features"]),
-                          ("out_features", fout, _LINEAR_GEMMS["out_features"])], _multiple(ctx, node))
+                          ("out_features", fout, _LINEAR_GEMMS["out_features"])], ctx.policy.alignment)
 
 
 @matcher("conv_channels", fields=FIELDS)
@@ -81,7 +77,7 @@ def conv_channels(ctx: MatchContext, rule) -> Iterator[Hit]:
         k = "x".join(map(str, kernel))
         yield from _hits(node, kind, f"{cin}->{cout} k{k}",
                          [("in_channels", cin // groups, "implicit-GEMM K"),
-                          ("out_channels", cout // groups, "implicit-GEMM M")], _multiple(ctx, node))
+                          ("out_channels", cout // groups, "implicit-GEMM M")], ctx.policy.alignment)
 
 
 def _shape(value) -> tuple | None:
@@ -98,7 +94,7 @@ def embedding_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         yield from _hits(node, type(m).__name__, f"{m.num_embeddings}x{m.embedding_dim}",
                          [("num_embeddings", m.num_embeddings, "output-projection N (vocabulary)"),
-                          ("embedding_dim", m.embedding_dim, "K of the GEMMs that read it")], _multiple(ctx, node))
+                          ("embedding_dim", m.embedding_dim, "K of the GEMMs that read it")], ctx.policy.alignment)
 
 
 def _last2(shape) -> tuple[int, int] | None:
@@ -126,7 +122,7 @@ def _einsum_hits(ctx: MatchContext, node: fx.Node) -> Iterator[Hit]:
     roles = [("K", c) for c in a if c in b and c not in out] + [("M", c) for c in a if c not in b and c in out] \
         + [("N", c) for c in b if c not in a and c in out]
     dims = [(f"{role} ({c})", size[c], role) for role, c in roles]
-    yield from _hits(node, "einsum", f"'{eq}' {tuple(shapes[0])}, {tuple(shapes[1])}", dims, _multiple(ctx, node))
+    yield from _hits(node, "einsum", f"'{eq}' {tuple(shapes[0])}, {tuple(shapes[1])}", dims, ctx.policy.alignment)
 
 
 @matcher("matmul_dims", fields=FIELDS)
@@ -155,7 +151,7 @@ def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             dims = [("M", m_, "M"), ("K", k, "K"), ("N", n_, "N")]
             kind = info.op
         shape = f"{tuple(shapes[0])} @ {tuple(shapes[1])}"
-        yield from _hits(node, kind, shape, dims, _multiple(ctx, node))
+        yield from _hits(node, kind, shape, dims, ctx.policy.alignment)
 
 
 @matcher("rnn_dims", fields=FIELDS)
@@ -168,4 +164,4 @@ def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         yield from _hits(node, type(m).__name__, f"input {m.input_size}, hidden {m.hidden_size}",
                          [("input_size", m.input_size, "input GEMM K"),
-                          ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], _multiple(ctx, node))
+                          ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], ctx.policy.alignment)
