@@ -175,3 +175,10 @@ def test_autocast_disabled_region_computes_in_input_dtype():
 
     found = {(f.rule, f.op) for f in ampaudit.check(M(), X16, device="cpu").findings}
     assert ("AMP201", "softmax") in found and ("AMP203", "sum") not in found
+
+
+def test_gemm_rows_reported_once_per_distinct_value():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    found = hits(model, torch.randn(100, 16), device="cuda", rule="AMP106")
+    assert found == [("AMP106", "info", "0")]
+    assert hits(model, torch.randn(96, 16), device="cuda", rule="AMP106") == []

@@ -5,6 +5,7 @@ K=out, wgrad M=in N=out K=tokens.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch.fx as fx
@@ -165,3 +166,23 @@ def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
         yield from _hits(node, type(m).__name__, f"input {m.input_size}, hidden {m.hidden_size}",
                          [("input_size", m.input_size, "input GEMM K"),
                           ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], ctx.policy.alignment)
+
+
+@matcher("gemm_tokens", fields=FIELDS)
+def gemm_tokens(ctx: MatchContext, rule) -> Iterator[Hit]:
+    """The rows fed to Linear GEMMs, once per distinct value: it is a property of the batch, not of a layer."""
+    seen: set[int] = set()
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if info.op not in _LINEAR_OPS or not _runs_low(ctx, node) or not isinstance(ctx.owner(node), nn.Linear):
+            continue
+        shape = info.input_shapes[0] if info.input_shapes else None
+        if not shape or len(shape) < 2:
+            continue
+        rows = math.prod(shape[:-1])
+        if rows in seen:
+            continue
+        seen.add(rows)
+        for hit in _hits(node, "Linear", "x".join(map(str, shape[:-1])), [("N", rows, "forward N, wgrad K")],
+                         ctx.policy.alignment):
+            yield hit
