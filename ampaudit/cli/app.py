@@ -37,6 +37,13 @@ def _debug() -> bool:
     return os.environ.get("AMPAUDIT_DEBUG", "") not in ("", "0", "false")
 
 
+def stdout_console(**kwargs):
+    """A rich Console for stdout: the terminal's width, or 120 columns when piped (rich would fold at 80)."""
+    from rich.console import Console
+
+    return Console(**kwargs) if sys.stdout.isatty() else Console(width=120, **kwargs)
+
+
 def fail(message: str, code: int = 2) -> None:
     """Print one ``error:`` line to stderr and exit with ``code``."""
     typer.echo(f"error: {message}", err=True)

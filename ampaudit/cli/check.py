@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from ampaudit.cli.app import app, cli_errors
+from ampaudit.cli.app import app, cli_errors, stdout_console
 from ampaudit.errors import UsageError
 from ampaudit.findings import SEVERITY_RANK
 
@@ -83,7 +82,7 @@ def check(
             _write(output, console.export_text())
         else:
             # Piped output gets 120 columns rather than rich's 80, so messages are not folded into slivers.
-            _render(report, Console() if sys.stdout.isatty() else Console(width=120), why)
+            _render(report, stdout_console(), why)
     else:
         if fmt == "json":
             text = json.dumps(report.to_dict(), indent=2)

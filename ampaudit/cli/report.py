@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ampaudit.cli.app import app, cli_errors
+from ampaudit.cli.app import app, cli_errors, stdout_console
 from ampaudit.errors import TraceError
 
 
@@ -64,10 +64,9 @@ def report(
     if as_json:
         typer.echo(json.dumps(summary, indent=2, allow_nan=False))
     else:
-        from rich.console import Console
 
         from ampaudit.report.trace_console import render_summary
-        render_summary(summary, Console(highlight=False))
+        render_summary(summary, stdout_console(highlight=False))
     if html is not None:
         from ampaudit.report.html import write_html
         # The plots rank every module the trace has, not only the --top shown in the terminal.

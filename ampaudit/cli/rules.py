@@ -5,10 +5,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from ampaudit.cli.app import app, cli_errors
+from ampaudit.cli.app import app, cli_errors, stdout_console
 
 rules_app = typer.Typer(help="List the rules, or explain one (ampaudit rules explain AMP201).",
                         invoke_without_command=True, no_args_is_help=False)
@@ -35,7 +34,7 @@ def list_rules(rules: RulesOpt = None) -> None:
     table = Table("id", "name", "family", "severity", box=None)
     for r in load_rules([str(p) for p in rules or []]):
         table.add_row(r.id, r.name, r.family, r.severity)
-    Console().print(table)
+    stdout_console().print(table)
 
 
 @rules_app.command("explain")
