@@ -4,6 +4,7 @@
     python bench/watch_overhead.py --steps 200 --chunk 5                 # the numbers quoted in watch.py
     python bench/watch_overhead.py --stats-every 1                       # statistics on every pass
     python bench/watch_overhead.py --target ../shared/planted/gelu_cube.py --steps 50
+    python bench/watch_overhead.py --grad-divergence-every 1 --local-divergence-every 1   # every scope, every check
 
 Four loops train identical copies of the model (same weights, same batches, same optimizer):
 
@@ -11,12 +12,15 @@ Four loops train identical copies of the model (same weights, same batches, same
   stats       watch(model, every=50): the non-finite flag on every pass, per-module statistics on one pass
               in ``stats_every`` (watch's default; ``--stats-every 1`` for every pass)
   divergence  watch(model, stats=False, divergence_every=50): FP32 shadow every 50 steps, no statistics
+              (gradient and local scopes on watch's default share of the checks; the options below)
   both        watch(model, every=50, divergence_every=50): statistics plus divergence
 
 The loops take turns, ``--chunk`` steps at a time, so load from other processes on a shared machine falls on
 all of them alike. The first ``--warmup`` steps of each loop are not timed (they include the watch's one-off
 replay of the first step under the op-level locator, and the divergence check of step 0); the timed steps
-then hold one divergence check per 50 steps exactly, so the ratio is the amortized cost.
+then hold one divergence check per 50 steps exactly, so the ratio is the amortized cost. With ``--steps 200``
+they are checks 1-4 of the run: with watch's defaults one of them compares gradients and two re-run the
+leaf modules, the same mix as in a long run.
 
 Times are CPU seconds of this process (``time.process_time``) with one torch thread by default: on a shared
 machine wall time mostly measures the neighbours. Wall time is printed beside them.
@@ -100,6 +104,10 @@ def main() -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
     ap.add_argument("--divergence-every", type=int, default=50)
+    ap.add_argument("--grad-divergence-every", type=int, default=None,
+                    help="watch(grad_divergence_every=...) in checks; default: watch's")
+    ap.add_argument("--local-divergence-every", type=int, default=None,
+                    help="watch(local_divergence_every=...) in checks; default: watch's")
     ap.add_argument("--stats-every", type=int, default=None, help="watch(stats_every=...); default: watch's")
     args = ap.parse_args()
     if args.threads:
@@ -111,9 +119,11 @@ def main() -> int:
         raise SystemExit(f"{args.target} needs train_data() and loss_fn() for this benchmark")
     data = batches(train_data, args.warmup + args.steps)
     sampling = {} if args.stats_every is None else {"stats_every": args.stats_every}
+    schedule = {k: v for k, v in (("grad_divergence_every", args.grad_divergence_every),
+                                  ("local_divergence_every", args.local_divergence_every)) if v is not None}
     configs = {"none": None, "stats": {"every": 50, **sampling},
-               "divergence": {"stats": False, "divergence_every": args.divergence_every},
-               "both": {"every": 50, "divergence_every": args.divergence_every, **sampling}}
+               "divergence": {"stats": False, "divergence_every": args.divergence_every, **schedule},
+               "both": {"every": 50, "divergence_every": args.divergence_every, **sampling, **schedule}}
     loops = [Loop(name, copy.deepcopy(loaded.model), loaded.hook("make_optimizer"), loss_fn, dtype, kw)
              for name, kw in configs.items()]
     try:

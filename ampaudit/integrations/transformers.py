@@ -138,7 +138,9 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
     def _amp_enter(self, module: nn.Module, args: Any) -> None:
         # Only the outermost call: the watch's FP32 shadow forward runs nested, under autocast(enabled=False).
         self._depth += 1
-        if self._depth == 1:
+        watch = self.session.watch
+        # The watch's own runs (the FP32 shadow at the end of a pass, a locator replay) choose their autocast.
+        if self._depth == 1 and not (watch is not None and watch.replaying):
             ctx = torch.autocast(self._amp[0], dtype=self._amp[1])
             ctx.__enter__()
             self._amp_ctx = ctx

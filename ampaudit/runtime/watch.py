@@ -31,12 +31,21 @@ Cost model (why it stays cheap):
   an inf that never leaves its module, like an overflowing x**3 inside a GELU), that pass is *replayed*
   under the op-level locator (``locate.replay``) before the optimizer can step: the exact module, aten op
   and source line, forward and backward. Replays are limited to one per stats interval.
-- Divergence checks cost a few forwards and run every ``divergence_every`` steps (``divergence``).
+- Divergence checks run every ``divergence_every`` steps (``divergence``). The real forward records a sample
+  of each module's output; the FP32 shadow forward runs at the end of the pass (after backward, when the
+  real activations are freed, before the optimizer step) and compares each module (scope ``global``). Only
+  every ``grad_divergence_every``-th check (default 4) keeps the FP32 graph and pushes the real upstream
+  gradient through it (scope ``grad``, an FP32 backward: the costliest part); only every
+  ``local_divergence_every``-th (default 2) re-runs each leaf module in low precision on its FP32 inputs
+  (scope ``local``; modules autocast leaves in FP32, like norms and activations, need no re-run). On the
+  sample transformer (CPU, one thread, ~7 ms bf16 step) a forward-only check took ~5.5 ms, one with local
+  re-runs ~8 ms and one with every scope ~23 ms; amortized over 50 steps see bench/watch_overhead.py.
 Inputs must not be modified in place between forward and backward (they are kept by reference).
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import IO, Any
 
@@ -69,7 +78,8 @@ class Watch:
     def __init__(self, model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *,
                  every: int = 50, divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
                  raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
-                 locate_first: bool = True, max_replays: int = 10, max_events: int = 4):
+                 locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
+                 grad_divergence_every: int | None = 4, local_divergence_every: int | None = 2):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -79,6 +89,11 @@ class Watch:
         if divergence_every is not None and (not isinstance(divergence_every, int) or divergence_every < 1):
             raise UsageError(f"watch(): divergence_every must be a positive integer or None, "
                              f"got {divergence_every!r}")
+        for name, value in (("grad_divergence_every", grad_divergence_every),
+                            ("local_divergence_every", local_divergence_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UsageError(f"watch(): {name} must be a positive integer or None, got {value!r}",
+                                 hint="it counts divergence checks: 1 = on every check")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise UsageError(f"watch(): dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}",
                              hint="pass the dtype autocast lowers to")
@@ -86,6 +101,7 @@ class Watch:
         self.root = unwrap(model)
         self.dtype = dtype
         self.every, self.divergence_every, self.stats_every = every, divergence_every, stats_every
+        self.grad_divergence_every, self.local_divergence_every = grad_divergence_every, local_divergence_every
         self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
         # A replay reports the first ``max_events`` origins (forward first); later ones are mostly echoes.
         self.locate_first, self.max_replays, self.max_events = locate_first, max_replays, max_events
@@ -115,6 +131,7 @@ class Watch:
         self._cheap_flags: list[torch.Tensor] = []
         self._probe: DivergenceProbe | None = None
         self._last_div_step: int | None = None
+        self._div_checks = 0             # divergence checks begun: picks the ones with grad / local scopes
         self._replays = 0
         self._replayed_interval: int | None = None
         self._pending_error: NonFiniteError | None = None
@@ -128,7 +145,9 @@ class Watch:
         if self._writer is None or self._owns_writer:
             self._emit("meta", version=TRACE_VERSION, source="watch", dtype=str(dtype).replace("torch.", ""),
                        device=self.device_type, model=type(self.root).__name__, every=every,
-                       divergence_every=divergence_every, stats_every=stats_every)
+                       divergence_every=divergence_every, stats_every=stats_every,
+                       grad_divergence_every=grad_divergence_every,
+                       local_divergence_every=local_divergence_every)
 
     # --- public loop integration ---------------------------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -265,9 +284,12 @@ class Watch:
                and self.step != self._last_div_step and amp[0])
         if due:
             self._last_div_step = self.step
-            self._probe = DivergenceProbe(self.root, device_type=dt, dtype=amp[1], local="leaves",
-                                          names=self._names)
-            self._probe.begin(capture_grads=torch.is_grad_enabled())
+            check, self._div_checks = self._div_checks, self._div_checks + 1
+            grads = self.grad_divergence_every is not None and check % self.grad_divergence_every == 0
+            local = self.local_divergence_every is not None and check % self.local_divergence_every == 0
+            self._probe = DivergenceProbe(self.root, device_type=dt, dtype=amp[1],
+                                          local="leaves" if local else False, names=self._names)
+            self._probe.begin(capture_grads=grads and torch.is_grad_enabled())
 
     def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
         if not self._sample or self._suspended or not self._pass_open:
@@ -300,15 +322,11 @@ class Watch:
             return
         self._hooked = (None, [])
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
-        self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
+        if not self._sample:             # a sampled pass has the root's statistics instead
+            self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
         grad_coming = torch.is_grad_enabled() and any(o.requires_grad for o in outs)
         if self._probe is not None:
-            saved_args, saved_kwargs, rng, _, _ = self._replay_state
-            self._suspended = True
-            try:
-                self._probe.shadow(saved_args, saved_kwargs, rng_state=rng, grad=grad_coming)
-            finally:
-                self._suspended = False
+            self._probe.end_forward()    # the FP32 shadow runs at the end of the pass
         if grad_coming:
             self._upstream = [None] * len(outs)
             for i, o in enumerate(outs):
@@ -322,7 +340,7 @@ class Watch:
         if self._suspended or not self._pass_open:
             return
         self._upstream[index] = grad.detach()
-        if grad.numel():
+        if grad.numel() and not self._sample:
             self._cheap_flags.extend(extremes(grad))
         if not self._bw_queued:
             self._bw_queued = True
@@ -359,19 +377,36 @@ class Watch:
                                                  hint="see the nonfinite events of the trace; keep that "
                                                       "module in fp32 or use bf16")
 
+    @property
+    def replaying(self) -> bool:
+        """True while the watch runs the model itself (FP32 shadow, locator replay) and sets autocast on its own."""
+        return self._suspended
+
     def _nonfinite_flag(self) -> bool:
-        # The extremes of the model's outputs and of the upstream gradient, read as one boolean. An overflow
+        # The extremes of the model's outputs and of the upstream gradient, read as one value. An overflow
         # that starts inside backward shows up in the per-module gradient statistics of the next sampled
         # pass, or in on_skipped_step; checking every parameter gradient on every pass would cost more than
         # the rest of this path together.
-        if not self._cheap_flags:
+        flags = self._cheap_flags
+        if not flags:
             return False
-        return not bool(torch.isfinite(torch.stack(self._cheap_flags)).all())
+        # A float64 sum of the extremes is finite exactly when they all are (inf - inf gives NaN): two
+        # kernels where isfinite().all() costs several; in a training loop each small op costs 10-20 us on
+        # CPU (cold caches), more than the data it reads.
+        stacked = torch.stack(flags)
+        if stacked.device.type == "mps":       # no float64 there
+            return not bool(torch.isfinite(stacked).all())
+        return not math.isfinite(stacked.sum(dtype=torch.float64).item())
 
     def _finish_divergence(self) -> None:
         probe, self._probe = self._probe, None
+        saved_args, saved_kwargs, rng, _, _ = self._replay_state
+        grads = probe.capture_grads and any(g is not None for g in self._upstream)
         try:
-            if self._upstream and any(g is not None for g in self._upstream):
+            # After backward (the real activations are freed) and before the optimizer step. Without the
+            # gradient scope the shadow runs under no_grad: no FP32 graph is kept.
+            probe.shadow(saved_args, saved_kwargs, rng_state=rng, grad=grads)
+            if grads:
                 probe.grads(self._upstream)
             for ev in probe.events():
                 self._emit("divergence", **ev)
@@ -408,18 +443,29 @@ class Watch:
 def watch(model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *, every: int = 50,
           divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
           raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
-          locate_first: bool = True) -> Watch:
+          locate_first: bool = True, grad_divergence_every: int | None = 4,
+          local_divergence_every: int | None = 2) -> Watch:
     """Attach runtime hooks to ``model`` (plain, DDP or DataParallel); use as a context manager or close().
 
     ``trace``: JSON Lines path, an open ``TraceWriter`` (shared with a trainer; no ``meta`` line is written),
     or None (events only in ``Watch.events``). ``every``: steps per ``stats`` interval. ``divergence_every``:
     steps between FP32 shadow comparisons (None: off; needs autocast and FP32 weights). ``dtype``: the low
     precision the statistics are judged against (headroom, subnormals). ``stats_every``: per-module
-    statistics on one pass in this many (1: every pass); the non-finite flag is checked on every pass. ``locate_first``: replay the
-    first pass under the op-level locator (finds infs that never leave their module).
+    statistics on one pass in this many (1: every pass); the non-finite flag is checked on every pass.
+    ``locate_first``: replay the first pass under the op-level locator (finds infs that never leave their
+    module).
     ``raise_on_nonfinite``: raise :class:`NonFiniteError` (from the forward or ``backward()`` call) once the
     origin has been written to the trace.
+
+    Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
+    scopes run on some checks only, counted in divergence checks (not steps), starting with the first
+    check, which therefore has all three: ``grad_divergence_every`` (default 4: checks 0, 4, 8, ...) pushes
+    the upstream gradient through an FP32 graph and compares every parameter gradient (scope ``grad``; the
+    other checks shadow the forward only, under no_grad); ``local_divergence_every`` (default 2: checks 0, 2,
+    4, ...) re-runs each leaf module in low precision on the FP32 inputs (scope ``local``). 1 = on every
+    check (the behaviour before these options), None = never.
     """
     return Watch(model, trace, every=every, divergence_every=divergence_every, dtype=dtype,
                  raise_on_nonfinite=raise_on_nonfinite, stats=stats, stats_every=stats_every,
-                 locate_first=locate_first)
+                 locate_first=locate_first, grad_divergence_every=grad_divergence_every,
+                 local_divergence_every=local_divergence_every)

@@ -1,0 +1,140 @@
+"""Divergence checks in watch: which checks carry the grad and local scopes, the shortcuts that keep a
+check cheap (autocast-neutral modules, batched metric sums, the shadow after backward) and what they keep."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ampaudit.errors import UsageError
+from ampaudit.runtime import divergence
+from ampaudit.runtime.divergence import metric_sums
+from ampaudit.runtime.metric_batch import MetricBatch
+from ampaudit.runtime.watch import watch
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _loop(model: nn.Module, steps: int, **kw) -> tuple[list[dict], list[float]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with watch(model, every=100, dtype=torch.bfloat16, stats=False, **kw) as w:
+        for step in range(steps):
+            w.set_step(step)
+            x = torch.randn(8, 16)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = out.float().pow(2).mean()
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return w.divergence, losses
+
+
+def _steps(events: list[dict], scope: str) -> set[int]:
+    return {e["step"] for e in events if e["scope"] == scope}
+
+
+def test_defaults_compare_gradients_on_every_fourth_check_and_local_on_every_second():
+    div, _ = _loop(_model(), 9, divergence_every=1)
+    assert _steps(div, "global") == set(range(9))
+    assert _steps(div, "grad") == {0, 4, 8}
+    assert _steps(div, "local") == {0, 2, 4, 6, 8}
+    params = {e["param"] for e in div if e["scope"] == "grad" and e["step"] == 4}
+    assert params == {"0.weight", "0.bias", "3.weight", "3.bias", "4.weight", "4.bias"}
+
+
+def test_schedules_count_checks_not_steps_and_can_be_changed_or_turned_off():
+    div, _ = _loop(_model(), 10, divergence_every=3, grad_divergence_every=2, local_divergence_every=1)
+    assert _steps(div, "global") == {0, 3, 6, 9}
+    assert _steps(div, "grad") == {0, 6}                 # checks 0 and 2
+    assert _steps(div, "local") == {0, 3, 6, 9}
+    div, _ = _loop(_model(), 3, divergence_every=1, grad_divergence_every=None, local_divergence_every=None)
+    assert {e["scope"] for e in div} == {"global"} and _steps(div, "global") == {0, 1, 2}
+
+
+def test_every_check_with_schedules_of_one():
+    div, _ = _loop(_model(), 3, divergence_every=1, grad_divergence_every=1, local_divergence_every=1)
+    for scope in ("global", "local", "grad"):
+        assert _steps(div, scope) == {0, 1, 2}, scope
+
+
+def test_bad_schedules_are_usage_errors():
+    for bad in (0, -1, 1.5, "4"):
+        with pytest.raises(UsageError):
+            watch(nn.Linear(2, 2), divergence_every=1, grad_divergence_every=bad)
+        with pytest.raises(UsageError):
+            watch(nn.Linear(2, 2), divergence_every=1, local_divergence_every=bad)
+
+
+def test_the_watch_leaves_the_training_run_unchanged():
+    # Same losses with and without divergence checks: the shadow and the local re-runs restore the RNG
+    # (dropout masks), buffers and parameters, whichever checks carry which scopes.
+    _, watched = _loop(_model(), 6, divergence_every=1, grad_divergence_every=2, local_divergence_every=1)
+    _, plain = _loop(_model(), 6)                        # _model() reseeds: same data, same masks
+    assert watched == plain and len(plain) == 6
+
+
+def test_autocast_neutral_modules_get_the_local_result_a_rerun_would_give(monkeypatch):
+    model = _model()
+    div, _ = _loop(model, 1, divergence_every=1)
+    shortcut = {e["module"]: e for e in div if e["scope"] == "local"}
+    assert set(shortcut) == {"0", "1", "2", "3", "4"}
+    for name in ("1", "2", "3"):                          # GELU, Dropout, LayerNorm: no op autocast lowers
+        assert shortcut[name]["rel_l2"] == 0.0 and shortcut[name]["max_abs"] == 0.0
+        assert shortcut[name]["cosine"] == 1.0 and shortcut[name]["sqnr_db"] == math.inf
+    monkeypatch.setattr(divergence, "AUTOCAST_NEUTRAL", frozenset())
+    torch.manual_seed(0)
+    div, _ = _loop(_model(), 1, divergence_every=1)
+    rerun = {e["module"]: e for e in div if e["scope"] == "local"}
+    for name in ("1", "2", "3"):
+        assert rerun[name]["rel_l2"] == 0.0 and rerun[name]["max_abs"] == 0.0, rerun[name]
+    assert rerun["0"]["rel_l2"] > 0 and shortcut["0"]["rel_l2"] == pytest.approx(rerun["0"]["rel_l2"])
+
+
+def test_a_subclass_of_a_neutral_module_is_rerun():
+    class Scaled(nn.GELU):
+        def forward(self, x):
+            return super().forward(x @ torch.eye(x.shape[-1], device=x.device))   # a matmul autocast lowers
+
+    model = nn.Sequential(nn.Linear(16, 32), Scaled())
+    div, _ = _loop(model, 1, divergence_every=1)
+    local = {e["module"]: e for e in div if e["scope"] == "local"}
+    assert local["1"]["rel_l2"] > 0
+
+
+def test_shadow_is_skipped_when_the_weights_change_before_the_pass_ends():
+    model = _model()
+    with watch(model, every=100, dtype=torch.bfloat16, stats=False, divergence_every=1) as w:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(8, 16))                     # a forward with no backward ...
+        with torch.no_grad():
+            model[0].weight.add_(1.0)                     # ... then the weights change
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(8, 16))
+    assert _steps(w.divergence, "global") == {1}
+
+
+def test_metric_batch_matches_pairwise_sums_including_nan():
+    torch.manual_seed(0)
+    pairs = []
+    for n in (7, 40000, 3000):
+        b = torch.randn(n)
+        pairs.append(((b + 0.01 * torch.randn(n)).bfloat16(), b))
+    batch = MetricBatch(16384)
+    idx = [batch.add([p]) for p in pairs] + [batch.add(pairs)]
+    bad = (torch.tensor([1.0, math.nan, 2.0]), torch.tensor([1.0, 2.0, 2.0]))
+    idx.append(batch.add([bad]))
+    assert batch.add([(torch.zeros(0), torch.zeros(0))]) is None
+    rows = batch.rows()
+    for i, p in zip(idx, [[p] for p in pairs] + [pairs]):
+        assert torch.allclose(rows[i], metric_sums(p), rtol=1e-4), (rows[i], metric_sums(p))
+    nan_row = rows[idx[-1]].tolist()
+    assert math.isnan(nan_row[0]) and nan_row[1] == 9.0      # |b|^2 stays finite
+    assert batch.rows() is None                               # cleared
