@@ -37,6 +37,11 @@ def _debug() -> bool:
     return os.environ.get("AMPAUDIT_DEBUG", "") not in ("", "0", "false")
 
 
+def split_list(values: list[str] | None) -> list[str]:
+    """``--select A,B --select C`` -> ``["A", "B", "C"]``."""
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
 def stdout_console(**kwargs):
     """A rich Console for stdout: the terminal's width, or 120 columns when piped (rich would fold at 80)."""
     from rich.console import Console

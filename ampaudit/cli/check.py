@@ -9,16 +9,12 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from ampaudit.cli.app import app, cli_errors, stdout_console
+from ampaudit.cli.app import app, cli_errors, split_list, stdout_console
 from ampaudit.errors import UsageError
 from ampaudit.findings import SEVERITY_RANK
 
 FORMATS = ("table", "json", "sarif", "github")
 FAIL_ON = ("error", "warning", "info", "never")
-
-
-def _split(values: list[str] | None) -> list[str]:
-    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
 
 
 @app.command()
@@ -56,8 +52,8 @@ def check(
         raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
     if fail not in FAIL_ON:
         raise UsageError(f"unknown --fail-on {fail!r}", hint=f"use one of {', '.join(FAIL_ON)}")
-    sel = _split(select) or cfg.get("select")
-    ign = _split(ignore) or cfg.get("ignore")
+    sel = split_list(select) or cfg.get("select")
+    ign = split_list(ignore) or cfg.get("ignore")
     rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
 
     from ampaudit.policy import Policy

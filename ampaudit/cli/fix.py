@@ -6,11 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ampaudit.cli.app import app, cli_errors
-
-
-def _split(values: list[str] | None) -> list[str]:
-    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+from ampaudit.cli.app import app, cli_errors, split_list
 
 
 @app.command()
@@ -43,8 +39,8 @@ def fix(
     loaded = load_target(target, entry=entry, inputs=input)
     entry_name, _ = _pick_entry(loaded.namespace, entry or (target.partition(":")[2] if loaded.path is None else None) or None,
                                 loaded.display)
-    result = run_fix(loaded.model, *loaded.args, device=device, dtype=dtype, select=_split(select) or cfg.get("select"),
-                     ignore=_split(ignore) or cfg.get("ignore"), pad=pad, verify=not no_verify, calibrate=calibrate,
+    result = run_fix(loaded.model, *loaded.args, device=device, dtype=dtype, select=split_list(select) or cfg.get("select"),
+                     ignore=split_list(ignore) or cfg.get("ignore"), pad=pad, verify=not no_verify, calibrate=calibrate,
                      target=target, **loaded.kwargs)
     saved_inputs = bool(input) or loaded.hook("example_inputs") is None
     written = write_outdir(result, output, source=loaded, entry=entry_name, saved_inputs=saved_inputs)

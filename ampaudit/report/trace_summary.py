@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ampaudit.runtime.trace import read_trace
+from ampaudit.runtime.trace import jsonable, read_trace
 
 SUMMARY_VERSION = 1
 
@@ -299,17 +299,6 @@ def headroom_table(data: TraceData) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (
         r["forward_bits"] if r["forward_bits"] is not None else math.inf,
         r["backward_bits"] if r["backward_bits"] is not None else math.inf))
-
-
-def jsonable(value: Any) -> Any:
-    """The value with inf/NaN floats as strings, tuples as lists: safe for ``json.dumps(allow_nan=False)``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), *, top: int = 5,

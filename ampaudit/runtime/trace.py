@@ -25,16 +25,17 @@ from ampaudit.errors import TraceError
 TRACE_VERSION = 1
 
 
-def _clean(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """The value with inf/NaN floats as strings, tuples as lists, 0-d tensors as numbers: valid strict JSON."""
     # JSON has no inf/NaN; write them as strings so every line stays valid JSON for other tools.
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [jsonable(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # 0-d tensors and numpy scalars
-        return _clean(value.item())
+        return jsonable(value.item())
     return value
 
 
@@ -56,7 +57,7 @@ class TraceWriter:
 
     def write(self, event: str, step: int | None = None, **fields: Any) -> None:
         record = {"event": event, "step": step, **fields}
-        self._fh.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
+        self._fh.write(json.dumps(jsonable(record), separators=(",", ":")) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
