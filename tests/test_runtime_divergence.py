@@ -56,3 +56,30 @@ def test_compare_to_fp32_reports_ranges_and_underflow_share():
     up = rows["mlp.up"]
     assert up["absmax"] > 25 and 0 < up["headroom_bits"] < 16 and up["overflow"] == 0
     assert 0.0 <= rows["mlp.act"]["underflow_share"] <= 1.0
+
+
+def test_shadow_runs_in_ieee_fp32_and_restores_the_users_precision():
+    # CUDA convolutions default to TF32 and set_float32_matmul_precision("medium") lets oneDNN use bf16 for
+    # FP32 matmuls: a reference computed that way would carry fp16-sized errors of its own.
+    seen = []
+
+    class Spy(nn.Linear):
+        def forward(self, x):
+            if not torch.is_autocast_enabled("cpu"):
+                seen.append((torch.backends.mkldnn.matmul.fp32_precision,
+                             torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision))
+            return super().forward(x)
+
+    before = torch.get_float32_matmul_precision()
+    conv_before = torch.backends.cudnn.conv.fp32_precision
+    torch.set_float32_matmul_precision("medium")
+    try:
+        user = (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+        assert user != ("ieee", "ieee")
+        rows = compare_to_fp32(nn.Sequential(Spy(4, 4)), (torch.randn(2, 4),), {}, dtype=torch.bfloat16)
+        assert rows and seen and all(s == ("ieee", "ieee", "ieee") for s in seen)
+        assert (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == user
+        assert torch.backends.cudnn.conv.fp32_precision == conv_before
+        torch.backends.cudnn.allow_tf32        # the legacy flags still read back (no mixed-API error)
+    finally:
+        torch.set_float32_matmul_precision(before)

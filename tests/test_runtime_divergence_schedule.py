@@ -138,3 +138,21 @@ def test_metric_batch_matches_pairwise_sums_including_nan():
     nan_row = rows[idx[-1]].tolist()
     assert math.isnan(nan_row[0]) and nan_row[1] == 9.0      # |b|^2 stays finite
     assert batch.rows() is None                               # cleared
+
+
+def test_metric_batch_reduces_full_groups_as_they_come():
+    # Rows are reduced GROUP at a time while a check runs, so a check never holds more than one group of
+    # differences; the rows still come back in the order they were added.
+    from ampaudit.runtime.metric_batch import GROUP
+    torch.manual_seed(0)
+    batch = MetricBatch(1024)
+    pairs = [(torch.randn(n), torch.randn(n)) for n in range(5, 5 + 2 * GROUP + 3)]
+    for i, p in enumerate(pairs):
+        assert batch.add([p]) == i
+        assert len(batch._d) < GROUP                           # a full group is reduced at once
+    assert len(batch) == len(pairs)
+    rows = batch.rows()
+    assert rows.shape == (len(pairs), 5)
+    for row, p in zip(rows, pairs):
+        assert torch.allclose(row, metric_sums([p]), rtol=1e-4)
+    assert len(batch) == 0 and batch.rows() is None

@@ -25,9 +25,10 @@ Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR 
   function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
 
 Tensors above ``METRIC_SAMPLE`` elements are compared on evenly spaced elements (see there). The shadow
-runs with autocast disabled, the same inputs (low-precision float inputs upcast) and RNG state;
-buffers (BatchNorm running stats) are restored afterwards. It needs FP32 parameters (autocast training); a
-model cast to half is skipped.
+runs with autocast disabled, in IEEE FP32 even where the user allowed TF32 or bf16 FP32 math
+(``fp32.ieee_fp32``), on the same inputs (low-precision float inputs upcast) and RNG state; buffers
+(BatchNorm running stats) are restored afterwards. It needs FP32 parameters (autocast training); a model
+cast to half is skipped.
 """
 from __future__ import annotations
 
@@ -37,12 +38,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ampaudit.runtime.fp32 import ieee_fp32, upcast
 from ampaudit.runtime.locate import float_tensors, preserved, module_names, unwrap
 from ampaudit.runtime.metric_batch import MetricBatch, sample
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
-_LOW = (torch.float16, torch.bfloat16)
 
 # Modules (exact types: a subclass may add its own ops) that call no op autocast lowers on CPU or CUDA
 # (matmul, linear, conv, prelu, attention, RNN cells): on the shadow's inputs they run under autocast exactly
@@ -133,16 +134,6 @@ def finish_metrics(sums: list[float]) -> dict[str, float]:
     cos = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
     sqnr = 10 * math.log10(bb / dd) if bb > 0 and math.isfinite(dd) else -math.inf
     return {"rel_l2": rel, "cosine": cos, "max_abs": mx, "sqnr_db": sqnr}
-
-
-def _upcast(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.float() if tree.dtype in _LOW else tree
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_upcast(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _upcast(v) for k, v in tree.items()}
-    return tree
 
 
 class DivergenceProbe:
@@ -249,8 +240,9 @@ class DivergenceProbe:
         self._in_shadow = True
         self._last_real = None
         try:
-            with preserved(self.root, rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False):
-                out = self.root(*_upcast(args), **_upcast(kwargs))
+            with preserved(self.root, rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False), \
+                    ieee_fp32():
+                out = self.root(*upcast(args), **upcast(kwargs))
         finally:
             self._in_shadow = False
         self._real.clear()
@@ -333,7 +325,7 @@ class DivergenceProbe:
         params = [p for p in self._param_names if self._param_names[p] in self._real_grads]
         if not pairs or not params:
             return
-        with torch.enable_grad():
+        with torch.enable_grad(), ieee_fp32():
             g32 = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
         named = [(self._param_names[p], ref) for p, ref in zip(params, g32)
                  if ref is not None and ref.numel() and ref.shape == self._real_grads[self._param_names[p]].shape]

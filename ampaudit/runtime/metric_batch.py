@@ -7,8 +7,11 @@
 A divergence check compares a few dozen module outputs. Reducing each pair on its own (three dot products,
 a min and a max, a stack) costs ~15 small kernels per pair, about as much as the FP32 forward's
 activations themselves on CPU; :meth:`add` keeps only the difference ``d = a - b`` and a copy of ``b``
-(taken before the caller can modify its output in place) and :meth:`rows` reduces all pairs at once: a few
-kernels over the zero-padded (pairs, 2, length) stack of them.
+(taken before the caller can modify its output in place) and reduces them ``GROUP`` rows at a time: a few
+kernels over the zero-padded (rows, 2, length) stack. Reducing as soon as a group is full (rather than
+all rows at the end) keeps at most one group alive: the same few blocks of memory are reused by every
+group, where holding every row of a check grew the heap by megabytes that the C allocator handed back
+to the system afterwards, and faulted in again on the next check.
 
 Tensors above ``sample`` elements are compared on evenly spaced elements (a fixed stride), as
 ``divergence._sample`` does; a test tensor may be passed already sampled (1-D, with the stride of its
@@ -34,9 +37,11 @@ class MetricBatch:
         self.limit = sample
         self._d: list[torch.Tensor] = []
         self._b: list[torch.Tensor] = []
+        self._done: list[torch.Tensor] = []     # (GROUP, 5) results of the groups reduced so far
+        self._rows = 0
 
     def __len__(self) -> int:
-        return len(self._d)
+        return self._rows
 
     def add(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
         """Queue one row summing over ``pairs`` (test, reference); its index in :meth:`rows`, or None when
@@ -53,20 +58,27 @@ class MetricBatch:
             return None
         self._d.append(ds[0] if len(ds) == 1 else torch.cat(ds))
         self._b.append(bs[0] if len(bs) == 1 else torch.cat(bs))
-        return len(self._d) - 1
+        self._rows += 1
+        if len(self._d) == GROUP:
+            self._flush()
+        return self._rows - 1
+
+    def _flush(self) -> None:
+        if self._d:
+            device = self._done[0].device if self._done else self._d[0].device
+            self._done.append(_reduce([(d.to(device), b.to(device)) for d, b in zip(self._d, self._b)]))
+            self._d, self._b = [], []
 
     def rows(self) -> torch.Tensor | None:
         """(n, 5) device tensor, one row per :meth:`add`; None if nothing was added. Clears the batch."""
-        if not self._d:
+        self._flush()
+        done, self._done, self._rows = self._done, [], 0
+        if not done:
             return None
-        device = self._d[0].device
-        pairs = [(d.to(device), b.to(device)) for d, b in zip(self._d, self._b)]
-        self._d, self._b = [], []
-        # In groups: a small stack is reused by the allocator, a large one is fresh memory (page faults).
-        return torch.cat([_reduce(pairs[i:i + _GROUP]) for i in range(0, len(pairs), _GROUP)])
+        return done[0] if len(done) == 1 else torch.cat(done)
 
 
-_GROUP = 8
+GROUP = 8
 
 
 def _reduce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Run a reference computation in true FP32, whatever reduced-precision FP32 modes the user turned on.
+
+    with ieee_fp32():
+        ref = model(*upcast(args))        # FP32 inputs, IEEE FP32 matmuls and convolutions
+
+A divergence check compares the low-precision run against an FP32 one; that reference is only worth
+something if it really is FP32. PyTorch lets FP32 matmuls and convolutions trade precision for speed:
+TF32 on CUDA (cuDNN convolutions use it by default: ``torch.backends.cudnn.conv.fp32_precision`` is
+"tf32" out of the box, a 10-bit mantissa, about fp16's) and, after
+``torch.set_float32_matmul_precision("medium")``, bf16 inner products in oneDNN on CPU. Measured against
+such a reference, an fp16 module's error would be mostly the reference's own.
+
+:func:`ieee_fp32` sets every backend's ``fp32_precision`` to "ieee" for the duration and restores the
+exact previous values afterwards. Only the per-backend settings of the new API are touched, never the
+legacy ``allow_tf32`` flags: PyTorch raises when a program mixes the two, and restoring the same new-API
+values leaves a program that used the legacy flags as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+# (backend module path, sub-setting) pairs with an ``fp32_precision`` attribute in torch >= 2.9.
+_SETTINGS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"),
+             ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"))
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _targets() -> list[Any]:
+    found = []
+    for backend, op in _SETTINGS:
+        obj = getattr(getattr(torch.backends, backend, None), op, None)
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            found.append(obj)
+    return found
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """Inside: FP32 matmuls, convolutions and RNNs in IEEE FP32 on every backend; restored on exit."""
+    saved: list[tuple[Any, str]] = []
+    try:
+        for obj in _targets():
+            before = obj.fp32_precision
+            if before != "ieee":
+                obj.fp32_precision = "ieee"
+                saved.append((obj, before))
+        yield
+    finally:
+        for obj, before in reversed(saved):
+            obj.fp32_precision = before
+
+
+def upcast(tree: Any) -> Any:
+    """``tree`` (tensors in tuples, lists and dicts) with fp16/bf16 tensors converted to float32."""
+    if isinstance(tree, torch.Tensor):
+        return tree.float() if tree.dtype in _LOW else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(upcast(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: upcast(v) for k, v in tree.items()}
+    return tree
