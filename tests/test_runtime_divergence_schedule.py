@@ -146,13 +146,14 @@ def test_metric_batch_reduces_full_groups_as_they_come():
     from ampaudit.runtime.metric_batch import GROUP
     torch.manual_seed(0)
     batch = MetricBatch(1024)
-    pairs = [(torch.randn(n), torch.randn(n)) for n in range(5, 5 + 2 * GROUP + 3)]
+    # Three lengths, interleaved: rows of one length are reduced together, yet come back in order.
+    pairs = [(torch.randn(n), torch.randn(n)) for n in [5, 9, 700] * (GROUP + 1)]
     for i, p in enumerate(pairs):
         assert batch.add([p]) == i
-        assert len(batch._d) < GROUP                           # a full group is reduced at once
+        assert all(len(g[0]) < GROUP for g in batch._pending.values())   # a full group is reduced at once
     assert len(batch) == len(pairs)
     rows = batch.rows()
     assert rows.shape == (len(pairs), 5)
     for row, p in zip(rows, pairs):
-        assert torch.allclose(row, metric_sums([p]), rtol=1e-4)
+        assert torch.allclose(row, metric_sums([p]), rtol=1e-4, atol=1e-3)   # a.b of unrelated vectors is small
     assert len(batch) == 0 and batch.rows() is None

@@ -8,26 +8,34 @@ A divergence check compares a few dozen module outputs. Reducing each pair on it
 a min and a max, a stack) costs ~15 small kernels per pair, about as much as the FP32 forward's
 activations themselves on CPU; :meth:`add` keeps only the difference ``d = a - b`` and a copy of ``b``
 (taken before the caller can modify its output in place) and reduces them ``GROUP`` rows at a time: a few
-kernels over the zero-padded (rows, 2, length) stack. Reducing as soon as a group is full (rather than
+kernels over the stacked (rows, length) samples. Reducing as soon as a group is full (rather than
 all rows at the end) keeps at most one group alive: the same few blocks of memory are reused by every
 group, where holding every row of a check grew the heap by megabytes that the C allocator handed back
 to the system afterwards, and faulted in again on the next check.
 
-Tensors above ``sample`` elements are compared on evenly spaced elements (a fixed stride), as
-``divergence._sample`` does; a test tensor may be passed already sampled (1-D, with the stride of its
+Tensors above ``sample`` elements are compared on evenly spaced elements (a fixed stride, :func:`sample`);
+a test tensor may be passed already sampled (1-D, with the stride of its
 reference), which is how the real outputs recorded during the forward arrive.
 """
 from __future__ import annotations
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 
 def sample(t: torch.Tensor, limit: int) -> torch.Tensor:
     """``t`` flattened; above ``limit`` elements, every k-th element (k = ceil(numel / limit)). A view."""
-    flat = t.detach().reshape(-1)
-    n = flat.numel()
-    return flat if n <= limit else flat[:: -(-n // limit)]
+    # One op where possible (a check samples a few dozen tensors, and on CPU each op costs more than
+    # the few thousand elements it touches): no detach unless ``t`` is in a graph, and a contiguous
+    # tensor is strided in place instead of flattened and then sliced.
+    if t.requires_grad:
+        t = t.detach()
+    n = t.numel()
+    if n <= limit:
+        return t.reshape(-1)
+    k = -(-n // limit)
+    if t.is_contiguous():
+        return t.as_strided((-(-n // k),), (k,))
+    return t.reshape(-1)[::k]
 
 
 class MetricBatch:
@@ -35,9 +43,10 @@ class MetricBatch:
 
     def __init__(self, sample: int):
         self.limit = sample
-        self._d: list[torch.Tensor] = []
-        self._b: list[torch.Tensor] = []
-        self._done: list[torch.Tensor] = []     # (GROUP, 5) results of the groups reduced so far
+        # Rows waiting for their group to fill, by (sample length, device): rows of one length stack
+        # without padding (padding costs two ops per row).
+        self._pending: dict[tuple[int, torch.device], tuple[list[int], list, list]] = {}
+        self._done: list[tuple[list[int], torch.Tensor]] = []    # (row indices, their (k, 5) sums)
         self._rows = 0
 
     def __len__(self) -> int:
@@ -56,39 +65,48 @@ class MetricBatch:
             bs.append(ref)
         if not ds:
             return None
-        self._d.append(ds[0] if len(ds) == 1 else torch.cat(ds))
-        self._b.append(bs[0] if len(bs) == 1 else torch.cat(bs))
-        self._rows += 1
-        if len(self._d) == GROUP:
-            self._flush()
-        return self._rows - 1
+        d = ds[0] if len(ds) == 1 else torch.cat(ds)
+        b = bs[0] if len(bs) == 1 else torch.cat(bs)
+        key = (d.numel(), d.device)
+        index, self._rows = self._rows, self._rows + 1
+        group = self._pending.setdefault(key, ([], [], []))
+        group[0].append(index)
+        group[1].append(d)
+        group[2].append(b)
+        if len(group[0]) == GROUP:
+            self._flush(key)
+        return index
 
-    def _flush(self) -> None:
-        if self._d:
-            device = self._done[0].device if self._done else self._d[0].device
-            self._done.append(_reduce([(d.to(device), b.to(device)) for d, b in zip(self._d, self._b)]))
-            self._d, self._b = [], []
+    def _flush(self, key: tuple[int, torch.device]) -> None:
+        indices, ds, bs = self._pending.pop(key)
+        self._done.append((indices, _reduce(ds, bs)))
 
     def rows(self) -> torch.Tensor | None:
         """(n, 5) device tensor, one row per :meth:`add`; None if nothing was added. Clears the batch."""
-        self._flush()
+        for key in list(self._pending):
+            self._flush(key)
         done, self._done, self._rows = self._done, [], 0
         if not done:
             return None
-        return done[0] if len(done) == 1 else torch.cat(done)
+        device = done[0][1].device
+        order = [i for indices, _ in done for i in indices]
+        sums = torch.cat([r.to(device) for _, r in done]) if len(done) > 1 else done[0][1]
+        if order == sorted(order):
+            return sums
+        out = torch.empty_like(sums)
+        out[torch.tensor(order, device=device)] = sums
+        return out
 
 
 GROUP = 8
 
 
-def _reduce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    m = pad_sequence([t for pair in pairs for t in pair], batch_first=True)   # zero padding adds nothing
-    m = m.reshape(len(pairs), 2, m.shape[-1])                                   # (n, [d, b], L)
-    d, b = m[:, 0], m[:, 1]
-    # Batched dot products and reductions, no temporaries of the stack's size. |b|^2 is its own product:
-    # a NaN of ``d`` must not reach it.
-    dd, db = torch.bmm(d.unsqueeze(1), m.transpose(1, 2)).squeeze(1).unbind(1)
-    bb = torch.linalg.vecdot(b, b)
+def _reduce(ds: list[torch.Tensor], bs: list[torch.Tensor]) -> torch.Tensor:
+    # Rows of one length: (rows, length) matrices.
+    d, b = (torch.stack(ds), torch.stack(bs)) if len(ds) > 1 else (ds[0][None], bs[0][None])
+    # (rows, length) matrices, a few kernels per group. |b|^2 is its own product: a NaN of ``d`` must not
+    # reach it.
+    dd, db, bb = torch.linalg.vecdot(d, d), torch.linalg.vecdot(d, b), torch.linalg.vecdot(b, b)
     mx = torch.maximum(-d.amin(dim=1), d.amax(dim=1))
     # |a|^2 = |d|^2 + 2 d.b + |b|^2 and a.b = d.b + |b|^2, with a = d + b (never read again).
     return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, mx], dim=1)

@@ -129,6 +129,8 @@ class Watch:
         self._upstream: list[torch.Tensor | None] = []
         self._bw_queued = False
         self._cheap_flags: list[torch.Tensor] = []
+        self._lean = False               # this pass ends in the upstream gradient hook (see _on_forward_end)
+        self._flag: bool | None = None   # the pass's non-finite flag, once read
         self._probe: DivergenceProbe | None = None
         self._last_div_step: int | None = None
         self._div_checks = 0             # divergence checks begun: picks the ones with grad / local scopes
@@ -279,6 +281,7 @@ class Watch:
         tensors = [a for a in args if isinstance(a, torch.Tensor)] if not kwargs else float_tensors((args, kwargs))
         self._replay_state = (args, kwargs, capture_rng(tensors), amp, torch.is_grad_enabled())
         self._upstream, self._bw_queued, self._cheap_flags = [], False, []
+        self._lean, self._flag = False, None
         self._pass_open = True
         due = (self.divergence_every is not None and self.step % self.divergence_every == 0
                and self.step != self._last_div_step and amp[0])
@@ -322,19 +325,25 @@ class Watch:
             return
         self._hooked = (None, [])
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
-        if not self._sample:             # a sampled pass has the root's statistics instead
-            self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
-        grad_coming = torch.is_grad_enabled() and any(o.requires_grad for o in outs)
+        grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
         if self._probe is not None:
             self._probe.end_forward()    # the FP32 shadow runs at the end of the pass
-        if grad_coming:
-            self._upstream = [None] * len(outs)
-            for i, o in enumerate(outs):
-                if o.requires_grad:
-                    o.register_hook(functools.partial(self._on_upstream, i))
-        else:
+        if not self._sample:             # a sampled pass has the root's statistics instead
+            # The outputs and, below, d loss / d output: a loss linear in the output (a sum, a policy
+            # gradient) passes a NaN output on as a finite gradient.
+            self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
+        if not grads:
             self._end_pass()
             self._raise_pending()
+            return
+        self._upstream = [None] * len(outs)
+        # One output, nothing due at the end of backward (statistics, a divergence check, the first
+        # replay): the pass ends in its gradient hook, as soon as d loss / d output is known, without a
+        # callback from the autograd engine. That is the pass of almost every step.
+        self._lean = (len(grads) == 1 and not self._sample and self._probe is None
+                      and not (self.locate_first and self._replays == 0))
+        for i in grads:
+            outs[i].register_hook(functools.partial(self._on_upstream, i))
 
     def _on_upstream(self, index: int, grad: torch.Tensor) -> None:
         if self._suspended or not self._pass_open:
@@ -342,6 +351,12 @@ class Watch:
         self._upstream[index] = grad.detach()
         if grad.numel() and not self._sample:
             self._cheap_flags.extend(extremes(grad))
+        if self._lean:
+            self._flag = self._nonfinite_flag()
+            if not self._flag:
+                self._pass_open = False
+                self._passes += 1
+                return
         if not self._bw_queued:
             self._bw_queued = True
             # Runs once the whole backward is done and before the optimizer can step: a replay then
@@ -361,7 +376,8 @@ class Watch:
         if self._sample:      # the root's slots already cover its outputs and the upstream gradient
             bad = self._acc.end_pass(full=self._full)
         else:
-            bad = [("", "")] if self._nonfinite_flag() else []
+            flag = self._flag if self._flag is not None else self._nonfinite_flag()
+            bad = [("", "")] if flag else []
         self._suspended = True
         try:
             if self._probe is not None:
@@ -383,19 +399,23 @@ class Watch:
         return self._suspended
 
     def _nonfinite_flag(self) -> bool:
-        # The extremes of the model's outputs and of the upstream gradient, read as one value. An overflow
-        # that starts inside backward shows up in the per-module gradient statistics of the next sampled
-        # pass, or in on_skipped_step; checking every parameter gradient on every pass would cost more than
-        # the rest of this path together.
+        # The extremes of the model's outputs and of the upstream gradient. An overflow that starts inside
+        # backward shows up in the per-module gradient statistics of the next sampled pass, or in
+        # on_skipped_step; checking every parameter gradient on every pass would cost more than the rest of
+        # this path together.
         flags = self._cheap_flags
         if not flags:
             return False
-        # A float64 sum of the extremes is finite exactly when they all are (inf - inf gives NaN): two
-        # kernels where isfinite().all() costs several; in a training loop each small op costs 10-20 us on
-        # CPU (cold caches), more than the data it reads.
+        device = flags[0].device.type
+        if device == "cpu":
+            # A CPU read costs no synchronisation: reading each extreme beats any kernel that combines
+            # them (in a training loop each small op costs 10-30 us on CPU, cold caches, more than its data).
+            return not all(math.isfinite(f.item()) for f in flags)
         stacked = torch.stack(flags)
-        if stacked.device.type == "mps":       # no float64 there
+        if device == "mps":                    # no float64 there
             return not bool(torch.isfinite(stacked).all())
+        # One read (one synchronisation): a float64 sum of the extremes is finite exactly when they all
+        # are (inf - inf gives NaN).
         return not math.isfinite(stacked.sum(dtype=torch.float64).item())
 
     def _finish_divergence(self) -> None:
