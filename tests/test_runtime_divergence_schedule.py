@@ -10,8 +10,7 @@ import torch.nn as nn
 
 from ampaudit.errors import UsageError
 from ampaudit.runtime import divergence
-from ampaudit.runtime.divergence import metric_sums
-from ampaudit.runtime.metric_batch import MetricBatch
+from ampaudit.runtime.metric_batch import MetricBatch, metric_sums
 from ampaudit.runtime.watch import watch
 
 
@@ -41,12 +40,12 @@ def _steps(events: list[dict], scope: str) -> set[int]:
     return {e["step"] for e in events if e["scope"] == scope}
 
 
-def test_defaults_compare_gradients_on_every_fourth_check_and_local_on_every_second():
-    div, _ = _loop(_model(), 9, divergence_every=1)
-    assert _steps(div, "global") == set(range(9))
-    assert _steps(div, "grad") == {0, 4, 8}
-    assert _steps(div, "local") == {0, 2, 4, 6, 8}
-    params = {e["param"] for e in div if e["scope"] == "grad" and e["step"] == 4}
+def test_defaults_compare_gradients_on_every_eighth_check_and_local_on_every_second():
+    div, _ = _loop(_model(), 17, divergence_every=1)
+    assert _steps(div, "global") == set(range(17))
+    assert _steps(div, "grad") == {0, 8, 16}
+    assert _steps(div, "local") == set(range(0, 17, 2))
+    params = {e["param"] for e in div if e["scope"] == "grad" and e["step"] == 8}
     assert params == {"0.weight", "0.bias", "3.weight", "3.bias", "4.weight", "4.bias"}
 
 

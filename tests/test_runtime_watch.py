@@ -267,3 +267,32 @@ def test_eval_loop_inside_autocast_locates_an_overflowing_weight_cast():
             model(torch.randn(2, 4))
     first = w.nonfinite[0]
     assert first["module"] == "1" and first["op"] == "aten._to_copy" and first["cause"] == "op"
+
+
+def test_an_overflow_inside_the_loss_trips_the_flag_on_a_later_pass():
+    # The model's outputs stay finite; only d loss / d output is inf. Such a pass ends in the gradient hook
+    # on most steps: this one must still be replayed, and the inf traced back to where it entered.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with watch(model, every=100, stats=False, locate_first=False) as w:
+        for step in range(4):
+            out = model(torch.randn(2, 4))
+            scale = 1e38 * 1e38 if step == 2 else 1.0        # fp32: inf
+            (out.pow(2).sum() * scale).backward()
+    located = w.nonfinite
+    assert located and {e["step"] for e in located} == {2}
+    assert located[0]["phase"] == "backward" and located[0]["cause"] == "input"
+
+
+def test_any_nonfinite_reads_each_value():
+    from ampaudit.runtime.stats import any_nonfinite
+    assert any_nonfinite([]) is False
+    assert any_nonfinite([torch.tensor(1.0), torch.tensor(-3e38)]) is False
+    assert any_nonfinite([torch.tensor(1.0), torch.tensor(float("-inf"))]) is True
+    assert any_nonfinite([torch.tensor(float("nan"), dtype=torch.bfloat16)]) is True
+
+
+def test_watch_rejects_a_bool_where_a_count_is_expected():
+    from ampaudit.errors import UsageError
+    with pytest.raises(UsageError, match="every must be a positive integer"):
+        watch(nn.Linear(2, 2), every=True)

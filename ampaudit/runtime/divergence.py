@@ -38,9 +38,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch.nn.modules.module import register_module_forward_hook
+
 from ampaudit.runtime.fp32 import ieee_fp32, upcast
 from ampaudit.runtime.locate import float_tensors, preserved, module_names, unwrap
-from ampaudit.runtime.metric_batch import MetricBatch, sample
+from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -65,28 +67,8 @@ _NEUTRAL_DEVICES = ("cpu", "cuda")       # the autocast op lists the table was c
 _ZERO_ERROR = (0.0, 0.0, 0.0, 0.0, 0.0)  # metric sums of two identical tensors: rel_l2 0, max_abs 0
 
 
-# Module outputs larger than this are compared on evenly spaced elements (a fixed stride): the metrics of
-# a check then cost a few passes over at most this many elements per module instead of over every
-# activation, which on CPU costs as much as the shadow forward itself. rel_l2, cosine and SQNR are
-# estimated without bias; max_abs is the maximum over the sampled elements.
-METRIC_SAMPLE = 16384
-
-
-def _sample(t: torch.Tensor) -> torch.Tensor:
-    return sample(t, METRIC_SAMPLE)
-
-
-def _sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    b = _sample(b).float()
-    d = torch.sub(_sample(a), b)                    # promotes a low-precision ``a`` without a copy of it
-    dd, bb, db = d.dot(d), b.dot(b), d.dot(b)
-    # a = d + b: a.b = d.b + |b|^2 and |a|^2 = |d|^2 + 2 d.b + |b|^2, so ``a`` is read once. Separate
-    # amin/amax beat aminmax and abs().amax() on CPU.
-    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, torch.maximum(-d.amin(), d.amax())])
-
-
 class _Sampled:
-    """A copy of the elements of a real output that :func:`_sums` reads, and the output's full shape."""
+    """A copy of the elements of a real output that the metrics read, and the output's full shape."""
 
     __slots__ = ("shape", "values")
 
@@ -95,45 +77,8 @@ class _Sampled:
 
 
 def _sampled_pairs(reals: list[_Sampled], refs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # A sample is taken with the stride of the full tensor, so it lines up with ``_sample(ref)``.
+    # A sample is taken with the stride of the full tensor, so it lines up with the reference's.
     return [(r.values, b) for r, b in zip(reals, refs) if r.shape == b.shape]
-
-
-def batched_sums(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """(n, 5) device tensor of :func:`metric_sums` rows for many small pairs (parameter gradients) at once:
-    a few ops over the concatenation instead of a few ops per pair."""
-    lengths = torch.tensor([b.numel() for _, b in pairs], device=pairs[0][1].device)
-    b = torch.cat([r.detach().reshape(-1).float() for _, r in pairs])
-    d = torch.cat([t.detach().reshape(-1).float() for t, _ in pairs]) - b
-    seg = torch.stack([d * d, b * b, d * b])
-    dd, bb, db = (torch.segment_reduce(row, "sum", lengths=lengths) for row in seg)
-    mx = torch.segment_reduce(d.abs(), "max", lengths=lengths)
-    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, mx], dim=1)
-
-
-def metric_sums(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-    """Device tensor [|d|^2, |b|^2, |a|^2, a.b, max|d|] over (test a, reference b) pairs; None if no pair."""
-    return _sum_rows([(a, b) for a, b in pairs if a.shape == b.shape])
-
-
-def _sum_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-    # ``a`` is the test tensor or its sample (see ``_Sampled``); shapes were checked by the caller.
-    rows = [_sums(a, b) for a, b in pairs if b.numel()]
-    if len(rows) <= 1:
-        return rows[0] if rows else None
-    s = torch.stack(rows)
-    return torch.cat([s[:, :4].sum(0), s[:, 4].amax().reshape(1)])
-
-
-def finish_metrics(sums: list[float]) -> dict[str, float]:
-    """rel_l2, cosine, max_abs, sqnr_db from :func:`metric_sums` values read back to the host."""
-    dd, bb, aa, ab, mx = sums
-    if dd == 0:
-        return {"rel_l2": 0.0, "cosine": 1.0, "max_abs": mx, "sqnr_db": math.inf}
-    rel = math.sqrt(dd / bb) if bb > 0 else math.inf
-    cos = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
-    sqnr = 10 * math.log10(bb / dd) if bb > 0 and math.isfinite(dd) else -math.inf
-    return {"rel_l2": rel, "cosine": cos, "max_abs": mx, "sqnr_db": sqnr}
 
 
 class DivergenceProbe:
@@ -151,46 +96,65 @@ class DivergenceProbe:
         self._local_mods = (leaves if local == "leaves" else set(self.names) - {self.root}) if local else set()
         self._neutral = ({m for m in self._local_mods if type(m) in AUTOCAST_NEUTRAL}
                          if device_type in _NEUTRAL_DEVICES else set())
-        self._last_real: tuple | None = None      # (tensor, clone): containers return their child's output
-        self._last_ref: tuple | None = None       # (real clone, shadow tensor, sums)
-        self.usable = all(p.dtype == torch.float32 for p in self.root.parameters() if p.is_floating_point())
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
+        self._real_grads: dict[str, torch.Tensor] = {}
+        self._in_local = False
+        self._range: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._reset()
+        self.usable = self._usable()
+
+    def _usable(self) -> bool:
+        return all(p.dtype == torch.float32 for p in self.root.parameters() if p.is_floating_point())
+
+    def _reset(self) -> None:
+        # Per-check state: a probe is reused check after check (``begin`` ... ``close``).
+        self._last_real: tuple | None = None      # (tensor, clone): containers return their child's output
+        self._last_ref: tuple | None = None       # (real clone, shadow tensor, sums)
         self._real: dict[str, list[list[torch.Tensor]]] = {}
         self._calls: dict[str, int] = {}
         self._inputs: dict[str, list[tuple]] = {}
-        # (event fields, metric sums): a device tensor, or the row of ``_batch`` that will hold them.
-        self._pending: list[tuple[dict, torch.Tensor | int]] = []
+        # (event fields, metric sums): a device tensor, the row of ``_batch`` that will hold them, or a
+        # tuple of plain numbers.
+        self._pending: list[tuple[dict, Any]] = []
         self._batch = MetricBatch(METRIC_SAMPLE)
-        self._range: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        self._real_grads: dict[str, torch.Tensor] = {}
-        self._param_names = {p: n for n, p in self.root.named_parameters() if p.requires_grad}
         self._shadow_out: list[torch.Tensor] = []
-        self._in_local = False
         self._in_shadow = False
         self.active = self._recorded = False
         self._param_versions: list[int] = []
+        self._param_names: dict[torch.Tensor, str] = {}
+        self._run_local_now = bool(self._local_mods)
         self.capture_grads = False       # set by ``begin``: whether ``grads`` will have real gradients
 
     # --- real forward --------------------------------------------------------------------------------
-    def begin(self, *, capture_grads: bool) -> None:
-        """Before the real forward: record module outputs; optionally the real parameter gradients."""
+    def begin(self, *, capture_grads: bool, local: bool = True) -> None:
+        """Before the real forward: record module outputs; optionally the real parameter gradients.
+
+        ``local=False`` skips this check's local re-runs (of the modules the constructor's ``local`` chose).
+        """
+        self._reset()
+        self._range = []
+        self.usable = self._usable()
         if not self.usable:
             return
         self.active = self._recorded = True
         self.capture_grads = capture_grads
+        self._run_local_now = local and bool(self._local_mods)
+        self._param_names = {p: n for n, p in self.root.named_parameters() if p.requires_grad}
         # An optimizer step bumps the parameters' version counters: a shadow run after it would compare
         # different weights (see ``shadow``).
         self._param_versions = [p._version for p in self._param_names]
-        for mod in self.names:
-            # prepend: the root's output must be recorded before the caller's own hook ends the recording.
-            self._handles.append(mod.register_forward_hook(self._record_real, prepend=True))
+        # One global hook instead of one per module: registering and removing a few dozen hooks per check
+        # cost more than the recording. Global hooks run before a module's own, so the root's output is
+        # recorded before the caller's root hook ends the recording.
+        self._handles.append(register_module_forward_hook(self._record_real))
         if capture_grads:
             for p, name in self._param_names.items():
                 self._grad_handles.append(p.register_hook(self._grad_catcher(name)))
 
     def _record_real(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if not self.active:
+        name = self.names.get(mod)
+        if name is None or not self.active:
             return
         # Copied: the caller may modify the output in place later (``out += identity``). Only the elements
         # the metrics read are copied (``_sample``: at most METRIC_SAMPLE), with the shape they came from.
@@ -200,10 +164,10 @@ class DivergenceProbe:
             if self._last_real is not None and self._last_real[0] is t:
                 clones.append(self._last_real[1])
             else:
-                c = _Sampled(t.shape, _sample(t).clone())
+                c = _Sampled(t.shape, sample_copy(t, METRIC_SAMPLE))
                 self._last_real = (t, c)
                 clones.append(c)
-        self._real.setdefault(self.names[mod], []).append(clones)
+        self._real.setdefault(name, []).append(clones)
 
     def _grad_catcher(self, name: str):
         def hook(grad: torch.Tensor) -> None:
@@ -232,10 +196,10 @@ class DivergenceProbe:
         if [p._version for p in self._param_names] != self._param_versions:
             self._real.clear()
             return
-        for mod in self.names:
-            if mod in self._local_mods and mod not in self._neutral:      # inputs kept for the re-run
+        if self._run_local_now:
+            for mod in self._local_mods - self._neutral:      # their inputs are kept for the re-run
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._shadow_post))
+        self._handles.append(register_module_forward_hook(self._shadow_post))
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
         self._in_shadow = True
         self._last_real = None
@@ -260,9 +224,9 @@ class DivergenceProbe:
             (args, kwargs, [t._version for t in flat], state, cuda_state))
 
     def _shadow_post(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self._in_local:
+        name = self.names.get(mod)
+        if name is None or self._in_local or not self._in_shadow:
             return
-        name = self.names[mod]
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         refs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
@@ -285,9 +249,10 @@ class DivergenceProbe:
             amax = torch.stack([r.detach().abs().amax().float() for r in refs if r.numel()]).amax() \
                 if any(r.numel() for r in refs) else torch.zeros(())
             self._range.append((name, torch.stack(counts).sum(0), amax))
+        if not self._run_local_now:
+            return
         if mod in self._neutral and refs:
-            sums = torch.tensor(_ZERO_ERROR, device=refs[0].device)
-            self._pending.append(({**tag, "scope": "local"}, sums))
+            self._pending.append(({**tag, "scope": "local"}, _ZERO_ERROR))
             return
         stack = self._inputs.get(name)
         if stack:
@@ -342,14 +307,16 @@ class DivergenceProbe:
         if not self._pending:
             return []
         batched = self._batch.rows()
-        # Rows of the batch first, then the rows computed on their own (zeros, parameter gradients).
-        own = [s for _, s in self._pending if not isinstance(s, int)]
+        # Rows of the batch first, then the rows computed on their own (parameter gradients); plain
+        # numbers (modules that cannot add error) need no read.
+        own = [s for _, s in self._pending if isinstance(s, torch.Tensor)]
         parts = [batched] if batched is not None else []
         if own:
             parts.append(torch.stack([r.to(own[0].device) for r in own]))
-        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
+        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
         n, at = len(batched) if batched is not None else 0, iter(range(len(own)))
-        picked = [values[s] if isinstance(s, int) else values[n + next(at)] for _, s in self._pending]
+        picked = [values[s] if isinstance(s, int) else values[n + next(at)] if isinstance(s, torch.Tensor)
+                  else list(s) for _, s in self._pending]
         out = [{**tag, **finish_metrics(v)} for (tag, _), v in zip(self._pending, picked)]
         self._pending.clear()
         return out
@@ -383,15 +350,15 @@ class DivergenceProbe:
         self._grad_handles.clear()
 
     def close(self) -> None:
+        """Remove this check's hooks and drop what it holds; the probe can ``begin`` another check."""
         self._remove_grad_hooks()
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._real.clear()
-        self._inputs.clear()
-        self._shadow_out = []
         self._real_grads.clear()
-        self.active = False
+        pending_range = self._range
+        self._reset()
+        self._range = pending_range      # ``ranges_by_module`` reads them after close
 
 
 def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *,

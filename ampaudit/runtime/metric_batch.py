@@ -1,4 +1,7 @@
-"""Divergence metric sums of many (test, reference) tensor pairs, computed together at the end of a check.
+"""Divergence metrics: sums over (test, reference) tensor pairs, batched, and the metrics made from them.
+
+    sums = metric_sums([(low, fp32)])         # one pair (or several, summed): [|d|^2, |b|^2, |a|^2, a.b, max|d|]
+    finish_metrics(sums.tolist())             # {"rel_l2": ..., "cosine": ..., "max_abs": ..., "sqnr_db": ...}
 
     batch = MetricBatch(sample=16384)
     i = batch.add([(real_out, fp32_out)])     # inside a hook: a subtraction and a copy, no reduction
@@ -7,17 +10,17 @@
 A divergence check compares a few dozen module outputs. Reducing each pair on its own (three dot products,
 a min and a max, a stack) costs ~15 small kernels per pair, about as much as the FP32 forward's
 activations themselves on CPU; :meth:`add` keeps only the difference ``d = a - b`` and a copy of ``b``
-(taken before the caller can modify its output in place) and reduces them ``GROUP`` rows at a time: a few
-kernels over the stacked (rows, length) samples. Reducing as soon as a group is full (rather than
-all rows at the end) keeps at most one group alive: the same few blocks of memory are reused by every
-group, where holding every row of a check grew the heap by megabytes that the C allocator handed back
-to the system afterwards, and faulted in again on the next check.
+(taken before the caller can modify its output in place) and reduces rows of one sample length
+``GROUP`` at a time, as soon as a group is full: one batched product and a few kernels per group, and a
+check holds at most one group of differences per length.
 
 Tensors above ``sample`` elements are compared on evenly spaced elements (a fixed stride, :func:`sample`);
-a test tensor may be passed already sampled (1-D, with the stride of its
-reference), which is how the real outputs recorded during the forward arrive.
+a test tensor may be passed already sampled (1-D, with the stride of its reference), which is how the
+real outputs recorded during the forward arrive.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,6 +39,75 @@ def sample(t: torch.Tensor, limit: int) -> torch.Tensor:
     if t.is_contiguous():
         return t.as_strided((-(-n // k),), (k,))
     return t.reshape(-1)[::k]
+
+
+def sample_copy(t: torch.Tensor, limit: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of :func:`sample` ``(t, limit)`` (converted to ``dtype`` if given), outside any autograd graph.
+
+    One op for a contiguous tensor (a strided copy), where a view, a detach and a clone would be three.
+    """
+    n = t.numel()
+    with torch.no_grad():
+        if t.is_contiguous():
+            k = max(1, -(-n // limit))
+            out = torch.as_strided_copy(t, (-(-n // k),), (k,))
+        else:
+            out = sample(t, limit).clone()
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+
+# Module outputs larger than this are compared on evenly spaced elements (a fixed stride): the metrics of
+# a check then cost a few passes over at most this many elements per module instead of over every
+# activation, which on CPU costs as much as the shadow forward itself. rel_l2, cosine and SQNR are
+# estimated without bias; max_abs is the maximum over the sampled elements.
+METRIC_SAMPLE = 16384
+
+
+
+def _sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    b = sample(b, METRIC_SAMPLE).float()
+    d = torch.sub(sample(a, METRIC_SAMPLE), b)                    # promotes a low-precision ``a`` without a copy of it
+    dd, bb, db = d.dot(d), b.dot(b), d.dot(b)
+    # a = d + b: a.b = d.b + |b|^2 and |a|^2 = |d|^2 + 2 d.b + |b|^2, so ``a`` is read once. Separate
+    # amin/amax beat aminmax and abs().amax() on CPU.
+    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, torch.maximum(-d.amin(), d.amax())])
+
+
+def batched_sums(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(n, 5) device tensor of :func:`metric_sums` rows for many small pairs (parameter gradients) at once:
+    a few ops over the concatenation instead of a few ops per pair."""
+    lengths = torch.tensor([b.numel() for _, b in pairs], device=pairs[0][1].device)
+    b = torch.cat([r.detach().reshape(-1).float() for _, r in pairs])
+    d = torch.cat([t.detach().reshape(-1).float() for t, _ in pairs]) - b
+    seg = torch.stack([d * d, b * b, d * b])
+    dd, bb, db = (torch.segment_reduce(row, "sum", lengths=lengths) for row in seg)
+    mx = torch.segment_reduce(d.abs(), "max", lengths=lengths)
+    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, mx], dim=1)
+
+
+def metric_sums(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """Device tensor [|d|^2, |b|^2, |a|^2, a.b, max|d|] over (test a, reference b) pairs; None if no pair."""
+    return _sum_rows([(a, b) for a, b in pairs if a.shape == b.shape])
+
+
+def _sum_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    # ``a`` is the test tensor or its sample; shapes were checked by the caller.
+    rows = [_sums(a, b) for a, b in pairs if b.numel()]
+    if len(rows) <= 1:
+        return rows[0] if rows else None
+    s = torch.stack(rows)
+    return torch.cat([s[:, :4].sum(0), s[:, 4].amax().reshape(1)])
+
+
+def finish_metrics(sums: list[float]) -> dict[str, float]:
+    """rel_l2, cosine, max_abs, sqnr_db from :func:`metric_sums` values read back to the host."""
+    dd, bb, aa, ab, mx = sums
+    if dd == 0:
+        return {"rel_l2": 0.0, "cosine": 1.0, "max_abs": mx, "sqnr_db": math.inf}
+    rel = math.sqrt(dd / bb) if bb > 0 else math.inf
+    cos = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
+    sqnr = 10 * math.log10(bb / dd) if bb > 0 and math.isfinite(dd) else -math.inf
+    return {"rel_l2": rel, "cosine": cos, "max_abs": mx, "sqnr_db": sqnr}
 
 
 class MetricBatch:
@@ -60,8 +132,10 @@ class MetricBatch:
             if not b.numel():
                 continue
             # A copy: the reference may be modified in place by the code that produced it.
-            ref = sample(b, self.limit).to(torch.float32, copy=True)
-            ds.append(torch.sub(sample(a, self.limit), ref).float())
+            ref = sample_copy(b, self.limit, torch.float32)
+            if a.dim() != 1 or a.numel() != ref.numel():      # not already sampled (see the docstring)
+                a = sample(a, self.limit)
+            ds.append(torch.sub(a, ref, ))
             bs.append(ref)
         if not ds:
             return None
@@ -102,11 +176,13 @@ GROUP = 8
 
 
 def _reduce(ds: list[torch.Tensor], bs: list[torch.Tensor]) -> torch.Tensor:
-    # Rows of one length: (rows, length) matrices.
-    d, b = (torch.stack(ds), torch.stack(bs)) if len(ds) > 1 else (ds[0][None], bs[0][None])
-    # (rows, length) matrices, a few kernels per group. |b|^2 is its own product: a NaN of ``d`` must not
-    # reach it.
-    dd, db, bb = torch.linalg.vecdot(d, d), torch.linalg.vecdot(d, b), torch.linalg.vecdot(b, b)
-    mx = torch.maximum(-d.amin(dim=1), d.amax(dim=1))
+    # Rows of one length. m: (rows, [d, b], length); one batched product gives every |d|^2, d.b and |b|^2
+    # (a NaN of ``d`` does not reach |b|^2: each entry reads its own two rows only).
+    rows, length = len(ds), ds[0].numel()
+    m = torch.stack([t for pair in zip(ds, bs) for t in pair]).view(rows, 2, length)
+    dd, db, _, bb = torch.bmm(m, m.transpose(1, 2)).view(rows, 4).unbind(1)
+    mx = m[:, 0].abs().amax(dim=1)      # max |d|, NaN stays NaN (vector_norm(inf) and aminmax(dim) are
+                                        # ~15x slower on CPU)
     # |a|^2 = |d|^2 + 2 d.b + |b|^2 and a.b = d.b + |b|^2, with a = d + b (never read again).
-    return torch.stack([dd, bb, dd + 2 * db + bb, db + bb, mx], dim=1)
+    ab = db + bb
+    return torch.stack([dd, bb, dd + db + ab, ab, mx], dim=1)

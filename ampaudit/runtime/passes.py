@@ -1,0 +1,214 @@
+"""What ``ampaudit.watch`` does in each forward and backward pass of the watched model.
+
+:class:`PassHooks` is the half of :class:`~ampaudit.runtime.watch.Watch` that runs inside the training loop:
+the root module's forward pre-hook and forward hook, the per-module statistics hooks of sampled passes,
+the hook on d loss / d output, and the end of a pass: the non-finite flag, the divergence check's FP32
+shadow and the replay under the op-level locator. ``Watch`` owns the state these methods read (set up in
+its ``__init__``) and the public API; docs/watch.md explains the costs.
+
+A pass starts at the root's forward and ends where its outcome is known: in the upstream-gradient hook
+when nothing else is due (most passes), else once the autograd engine has finished the backward (before
+the optimizer can step, so a replay sees this step's weights), or right after a forward without backward.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ampaudit.errors import AmpAuditError
+from ampaudit.runtime.locate import capture_rng, float_tensors, replay
+from ampaudit.runtime.stats import any_nonfinite, extremes
+
+
+class NonFiniteError(AmpAuditError):
+    """Raised by a watch created with ``raise_on_nonfinite=True`` when inf/NaN appears."""
+
+
+def _describe(ev: dict) -> str:
+    where = ev["module"] or "the top module"
+    op = f" ({ev['op']})" if ev.get("op") else ""
+    src = f" at {ev['source']}" if ev.get("source") else ""
+    return f"{ev['phase']} {ev['kind']} first produced in {where}{op}{src}"
+
+
+class PassHooks:
+    """Hook methods of ``Watch`` (a mixin: ``Watch.__init__`` creates the state they use)."""
+
+    def _maybe_flush(self, step: int) -> None:
+        if self._interval_start is None:
+            self._interval_start = step
+        elif step - self._interval_start >= self.every:
+            self.flush()
+            self._interval_start = step
+
+    def _on_forward_start(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._suspended:
+            return
+        if self._pass_open:              # the previous forward got no backward
+            self._end_pass()
+        self._raise_pending()
+        if not self._explicit_step:
+            self.step = self._forwards
+            self._maybe_flush(self.step)
+        elif self._interval_start is None:
+            self._interval_start = self.step
+        self._forwards += 1
+        self._last_step = self.step
+        self._sample = self.stats and self._passes % self.stats_every == 0
+        self._full = self._sample and self._counts_due
+        if self._full:
+            self._counts_due = False
+        dt = self.device_type
+        amp = (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] if not kwargs else float_tensors((args, kwargs))
+        self._replay_state = (args, kwargs, capture_rng(tensors), amp, torch.is_grad_enabled())
+        self._upstream, self._bw_queued, self._cheap_flags = [], False, []
+        self._lean, self._flag = False, None
+        self._pass_open = True
+        self._probe = self._schedule.begin(self.step, *amp)
+
+    def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if not self._sample or self._suspended or not self._pass_open:
+            return
+        # The common case (one tensor) skips pytree flattening: this runs for every module every step.
+        outs = (out,) if type(out) is torch.Tensor else float_tensors(out)
+        fslot, full = self._fslot[mod], self._full
+        for t in outs:
+            if not t.is_floating_point():
+                continue
+            self._acc.observe(fslot, t, full=full)
+            if t.requires_grad:
+                if t is self._hooked[0]:
+                    # A container returning its child's output: one gradient hook serves both modules.
+                    self._hooked[1].append(self._bslot[mod])
+                else:
+                    slots = [self._bslot[mod]]
+                    t.register_hook(self._grad_hook(slots))
+                    self._hooked = (t, slots)
+
+    def _grad_hook(self, slots: list[int]):
+        def hook(grad: torch.Tensor) -> None:
+            if not self._suspended and grad is not None and grad.is_floating_point():
+                for slot in slots:
+                    self._acc.observe(slot, grad, full=self._full)
+        return hook
+
+    def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
+        if self._suspended or not self._pass_open:
+            return
+        self._hooked = (None, [])
+        outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
+        grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
+        if self._probe is not None:
+            self._probe.end_forward()    # the FP32 shadow runs at the end of the pass
+        if not self._sample:             # a sampled pass has the root's statistics instead
+            # The outputs and, below, d loss / d output: a loss linear in the output (a sum, a policy
+            # gradient) passes a NaN output on as a finite gradient.
+            self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
+        if not grads:
+            self._end_pass()
+            self._raise_pending()
+            return
+        self._upstream = [None] * len(outs)
+        # One output, nothing due at the end of backward (statistics, a divergence check, the first
+        # replay): the pass ends in its gradient hook, as soon as d loss / d output is known, without a
+        # callback from the autograd engine. That is the pass of almost every step.
+        self._lean = (len(grads) == 1 and not self._sample and self._probe is None
+                      and not (self.locate_first and self._replays == 0))
+        for i in grads:
+            outs[i].register_hook(functools.partial(self._on_upstream, i))
+
+    def _on_upstream(self, index: int, grad: torch.Tensor) -> None:
+        if self._suspended or not self._pass_open:
+            return
+        self._upstream[index] = grad.detach()
+        if grad.numel() and not self._sample:
+            self._cheap_flags.extend(extremes(grad))
+        if self._lean:
+            self._flag = self._nonfinite_flag()
+            if not self._flag:
+                self._pass_open = False
+                self._passes += 1
+                return
+        if not self._bw_queued:
+            self._bw_queued = True
+            # Runs once the whole backward is done and before the optimizer can step: a replay then
+            # still sees this step's weights.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass_from_engine)
+
+    def _end_pass_from_engine(self) -> None:
+        self._end_pass()
+        self._raise_pending()
+
+    # --- end of a forward(+backward) pass ------------------------------------------------------------
+    def _end_pass(self) -> None:
+        if not self._pass_open:
+            return
+        self._pass_open = False
+        self._passes += 1
+        if self._sample:      # the root's slots already cover its outputs and the upstream gradient
+            bad = self._acc.end_pass(full=self._full)
+        else:
+            flag = self._flag if self._flag is not None else self._nonfinite_flag()
+            bad = [("", "")] if flag else []
+        self._suspended = True
+        try:
+            if self._probe is not None:
+                self._finish_divergence()
+            if self._should_replay(bool(bad)):
+                self._replay()
+        finally:
+            self._suspended = False
+        if bad and self.raise_on_nonfinite and self._pending_error is None:
+            located = [e for e in self.events if e["event"] == "nonfinite" and e["step"] == self.step]
+            what = _describe(located[0]) if located else f"inf/NaN in {', '.join(sorted({m for m, _ in bad}))}"
+            self._pending_error = NonFiniteError(f"step {self.step}: {what}",
+                                                 hint="see the nonfinite events of the trace; keep that "
+                                                      "module in fp32 or use bf16")
+
+    @property
+    def replaying(self) -> bool:
+        """True while the watch runs the model itself (FP32 shadow, locator replay) and sets autocast on its own."""
+        return self._suspended
+
+    def _nonfinite_flag(self) -> bool:
+        # The extremes of the model's outputs and of the upstream gradient. An overflow that starts inside
+        # backward shows up in the per-module gradient statistics of the next sampled pass, or in
+        # on_skipped_step; checking every parameter gradient on every pass would cost more than the rest of
+        # this path together.
+        return any_nonfinite(self._cheap_flags)
+
+    def _finish_divergence(self) -> None:
+        probe, self._probe = self._probe, None
+        args, kwargs, rng, _, _ = self._replay_state
+        for ev in self._schedule.finish(probe, args, kwargs, rng, self._upstream):
+            self._emit("divergence", **ev)
+
+    def _should_replay(self, bad: bool) -> bool:
+        if self._replay_state is None or self._replays >= self.max_replays:
+            return False
+        if self._replays == 0 and self.locate_first:
+            return True
+        return bad and self._replayed_interval != self._interval_start
+
+    def _replay(self) -> None:
+        args, kwargs, rng, (amp_on, amp_dtype), grad_mode = self._replay_state
+        self._replays += 1
+        self._replayed_interval = self._interval_start
+        upstream = self._upstream if grad_mode and any(g is not None for g in self._upstream) else None
+        found = replay(self.root, args, kwargs, device_type=self.device_type,
+                       dtype=amp_dtype if amp_on else self.dtype, autocast=amp_on, rng_state=rng,
+                       upstream=upstream, max_events=self.max_events)
+        for ev in found:
+            self._emit("nonfinite", **ev)
+        if found and self.raise_on_nonfinite and self._pending_error is None:
+            self._pending_error = NonFiniteError(f"step {self.step}: {_describe(found[0])}",
+                                                 hint="keep that module in fp32 (ampaudit.keep_fp32) or use bf16")
+
+    def _raise_pending(self) -> None:
+        err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise err

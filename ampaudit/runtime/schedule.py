@@ -1,0 +1,82 @@
+"""When ``ampaudit.watch`` runs a divergence check, which scopes the check includes, and running it.
+
+    schedule = DivergenceSchedule(root, names, device_type="cpu", every=50, grad_every=8, local_every=2)
+    probe = schedule.begin(step, autocast_on, autocast_dtype)      # before the real forward; None if not due
+    ...                                                            # the real forward (+ backward)
+    events = schedule.finish(probe, args, kwargs, rng_state, upstream)   # FP32 shadow: ``divergence`` fields
+
+A check runs on every step that is a multiple of ``every`` and runs under autocast (a step is checked once
+even if it makes several forwards). Every check compares each module's output with FP32 (scope
+``global``). The two costlier scopes are counted in checks, starting with check 0, which has all three:
+``grad_every`` (the FP32 backward, scope ``grad``) and ``local_every`` (each leaf module re-run in low
+precision on its FP32 inputs, scope ``local``); None turns a scope off. One
+:class:`~ampaudit.runtime.divergence.DivergenceProbe` per autocast dtype is reused check after check.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ampaudit.errors import UsageError
+from ampaudit.runtime.divergence import DivergenceProbe
+
+
+def check_every(name: str, value: Any, *, optional: bool) -> None:
+    """Raise :class:`UsageError` unless ``value`` is a positive integer (or None where ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "a positive integer or None" if optional else "a positive integer"
+        raise UsageError(f"watch(): {name} must be {what}, got {value!r}",
+                         hint="it counts divergence checks: 1 = on every check"
+                         if name in ("grad_divergence_every", "local_divergence_every") else None)
+
+
+class DivergenceSchedule:
+    """Divergence checks of one watched model; see the module docstring."""
+
+    def __init__(self, root: nn.Module, names: dict[nn.Module, str], *, device_type: str, every: int | None,
+                 grad_every: int | None, local_every: int | None):
+        self.root, self.names, self.device_type = root, names, device_type
+        self.every, self.grad_every, self.local_every = every, grad_every, local_every
+        self.checks = 0                  # checks begun: picks the ones with the grad / local scopes
+        self._last_step: int | None = None
+        self._probes: dict[torch.dtype, DivergenceProbe] = {}
+
+    def begin(self, step: int, autocast_on: bool, dtype: torch.dtype) -> DivergenceProbe | None:
+        """Before a forward: the probe recording it if a check is due at ``step``, else None."""
+        if self.every is None or not autocast_on or step % self.every or step == self._last_step:
+            return None
+        self._last_step = step
+        check, self.checks = self.checks, self.checks + 1
+        grads = self.grad_every is not None and check % self.grad_every == 0
+        local = self.local_every is not None and check % self.local_every == 0
+        probe = self._probes.get(dtype)
+        if probe is None:
+            probe = self._probes[dtype] = DivergenceProbe(self.root, device_type=self.device_type, dtype=dtype,
+                                                          local="leaves", names=self.names)
+        probe.begin(capture_grads=grads and torch.is_grad_enabled(), local=local)
+        return probe
+
+    @staticmethod
+    def finish(probe: DivergenceProbe, args: tuple, kwargs: dict, rng_state: dict | None,
+               upstream: list[torch.Tensor | None]) -> list[dict]:
+        """After the pass (after backward, before the optimizer step): run the FP32 shadow, return the
+        ``divergence`` event fields. ``upstream``: d loss / d output per output (the ``grad`` scope)."""
+        grads = probe.capture_grads and any(g is not None for g in upstream)
+        try:
+            # After backward the real activations are freed. Without the gradient scope the shadow runs
+            # under no_grad: no FP32 graph is kept.
+            probe.shadow(args, kwargs, rng_state=rng_state, grad=grads)
+            if grads:
+                probe.grads(upstream)
+            return probe.events()
+        finally:
+            probe.close()
+
+    def close(self) -> None:
+        """Remove the hooks of a check still open."""
+        for probe in self._probes.values():
+            probe.close()
