@@ -296,3 +296,18 @@ def test_watch_rejects_a_bool_where_a_count_is_expected():
     from ampaudit.errors import UsageError
     with pytest.raises(UsageError, match="every must be a positive integer"):
         watch(nn.Linear(2, 2), every=True)
+
+
+def test_only_cpu_passes_end_early_in_the_gradient_hook():
+    # On CUDA a read at the start of backward would stall the kernel queue: the flag waits for the end of
+    # the backward there. (No GPU here: the device type is set by hand; every op still runs on CPU.)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    seen = {}
+    for device in ("cpu", "cuda"):
+        with watch(model, stats=False, locate_first=False) as w:
+            w.device_type = device
+            out = model(torch.randn(2, 4))
+            seen[device] = w._lean
+            out.sum().backward()
+            assert not w._pass_open                       # ended either way, before any optimizer step
+    assert seen == {"cpu": True, "cuda": False}

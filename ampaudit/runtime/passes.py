@@ -114,10 +114,13 @@ class PassHooks:
             return
         self._upstream = [None] * len(outs)
         # One output, nothing due at the end of backward (statistics, a divergence check, the first
-        # replay): the pass ends in its gradient hook, as soon as d loss / d output is known, without a
-        # callback from the autograd engine. That is the pass of almost every step.
-        self._lean = (len(grads) == 1 and not self._sample and self._probe is None
-                      and not (self.locate_first and self._replays == 0))
+        # replay) and a CPU model: the pass ends in its gradient hook, as soon as d loss / d output is
+        # known, without a callback from the autograd engine. That is the pass of almost every step. On
+        # CUDA a read at the start of backward would stall the queue of kernels (the forward's must finish
+        # before any backward kernel is queued): there the flag is read once the backward is done, where
+        # a GradScaler makes its own read.
+        self._lean = (self.device_type == "cpu" and len(grads) == 1 and not self._sample
+                      and self._probe is None and not (self.locate_first and self._replays == 0))
         for i in grads:
             outs[i].register_hook(functools.partial(self._on_upstream, i))
 
