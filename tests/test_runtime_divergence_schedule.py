@@ -156,3 +156,56 @@ def test_metric_batch_reduces_full_groups_as_they_come():
     for row, p in zip(rows, pairs):
         assert torch.allclose(row, metric_sums([p]), rtol=1e-4, atol=1e-3)   # a.b of unrelated vectors is small
     assert len(batch) == 0 and batch.rows() is None
+
+
+def test_every_scope_on_a_batchnorm_model_leaves_training_as_it_was():
+    # BatchNorm's FP32 graph saves its running stats: they are put back only after the FP32 backward (earlier,
+    # the version bump made that backward raise inside the user's loss.backward()).
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+    plain, watched = build(), build()
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 16) for _ in range(4)]
+    for model, kw in ((plain, None), (watched, {"divergence_every": 1, "grad_divergence_every": 1,
+                                                "local_divergence_every": 1})):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        w = watch(model, dtype=torch.bfloat16, stats=False, **kw) if kw else None
+        for x in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if w is not None:
+            w.close()
+    assert _steps(w.divergence, "grad") == {0, 1, 2, 3}
+    assert {e["param"] for e in w.divergence if e["scope"] == "grad"} >= {"1.weight", "1.bias"}
+    for (name, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items()):
+        assert torch.equal(a, b), name                    # weights and running stats: the shadow left no trace
+
+
+def test_a_failing_check_warns_and_training_goes_on(monkeypatch):
+    from ampaudit.runtime.divergence import DivergenceProbe
+    from ampaudit.runtime.schedule import DivergenceCheckWarning
+
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("the FP32 forward failed")
+
+    monkeypatch.setattr(DivergenceProbe, "shadow", boom)
+    with pytest.warns(DivergenceCheckWarning, match=r"step \d+ failed .*FP32 forward failed"):
+        div, losses = _loop(_model(), 3, divergence_every=2)
+    assert div == [] and len(losses) == 3
+
+
+def test_the_autocast_neutral_table_lists_real_modules_autocast_never_lowers():
+    from ampaudit.policy import Policy, op_names
+    names = op_names()["autocast_neutral"]["modules"]
+    assert len(divergence.AUTOCAST_NEUTRAL) == len(names)            # every name is an nn module class
+    mapped = op_names()["modules"]
+    for device in ("cpu", "cuda"):
+        policy = Policy.load(device, "float16")
+        lowered = [n for n in names if n in mapped and policy.category(mapped[n]) == "lower"]
+        assert not lowered, (device, lowered)
+    assert nn.Linear not in divergence.AUTOCAST_NEUTRAL and nn.LayerNorm in divergence.AUTOCAST_NEUTRAL

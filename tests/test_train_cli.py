@@ -55,6 +55,9 @@ def test_missing_train_data_says_what_to_add():
     (["--steps", "2", "--checkpoint-every", "5"], "needs --checkpoint"),
     (["--steps", "2", "--resume"], "needs a checkpoint directory"),
     (["--steps", "2", "--hysteresis", "0"], "hysteresis must be >= 1"),
+    (["--steps", "2", "--divergence-every", "5"], "--divergence-every needs --trace"),
+    (["--steps", "2", "--divergence-every", "5", "--trace", "x.jsonl", "--opt-level", "O2"], "opt level O1"),
+    (["--steps", "2", "--divergence-every", "0", "--trace", "x.jsonl"], "divergence_every must be >= 1"),
 ])
 def test_bad_options_are_one_line_errors(args, needle):
     r = run(MLP, *args)
@@ -100,3 +103,16 @@ def test_train_tensorboard_needs_trace_and_writes_scalars(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "TensorBoard scalars" in r.stderr and any((tmp_path / "tb").rglob("events.out.tfevents*"))
+
+
+def test_divergence_every_writes_fp32_comparisons_the_report_reads(tmp_path):
+    trace = tmp_path / "run.jsonl"
+    r = run(MLP, "--steps", "8", "--dtype", "bfloat16", "--trace", str(trace), "--divergence-every", "4")
+    assert r.exit_code == 0, r.output
+    events, problems = read_trace(trace)
+    div = [e for e in events if e["event"] == "divergence"]
+    assert not problems and {e["step"] for e in div} == {4, 8}
+    assert {e["scope"] for e in div if e["step"] == 4} == {"global", "local", "grad"}   # check 0: every scope
+    assert all(0 <= e["rel_l2"] < 0.1 for e in div if e["scope"] == "global")
+    report = CliRunner(env={"COLUMNS": "160"}).invoke(app, ["report", str(trace)])
+    assert report.exit_code == 0 and "Divergence vs FP32" in report.output

@@ -70,6 +70,8 @@ def train(
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
     trace: Annotated[Optional[Path], typer.Option(help="Write a JSON Lines trace here (turns on watch hooks).")] = None,
     trace_every: Annotated[int, typer.Option(help="Collect tensor statistics every N steps.")] = 50,
+    divergence_every: Annotated[Optional[int], typer.Option(help="Compare every module with an FP32 shadow "
+                                                            "forward every N steps (needs --trace and O1).")] = None,
     tensorboard: Annotated[Optional[Path], typer.Option(help="When training ends, also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom and divergence) as TensorBoard logs here (needs --trace and the tensorboard extra).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (last.pt, halted.pt).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps.")] = None,
@@ -90,6 +92,8 @@ def train(
             raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
         from ampaudit.integrations import require
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
+    if divergence_every is not None and trace is None:
+        raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
     if checkpoint_every is not None and checkpoint is None:
         raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
     loaded = load_target(target, entry=entry, need_inputs=False)
@@ -100,6 +104,7 @@ def train(
         lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
         clip_mode="layer" if clip_per_layer else "norm", loss_scale=loss_scale,
         max_consecutive_skips=max_consecutive_skips, device=device, trace=trace, trace_every=trace_every,
+        divergence_every=divergence_every,
         checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every,
         progress=sys.stderr.isatty() if progress is None else progress,
         scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,

@@ -4,12 +4,10 @@
     # [{"module": "mlp.fc", "rel_l2": 3e-4, "cosine": 0.99999, "max_abs": 0.002, "sqnr_db": 70.1,
     #   "local_rel_l2": ..., "absmax": 12.5, "headroom_bits": 12.3, "underflow_share": 0.0, ...}, ...]
 
-In a training loop ``ampaudit.watch`` drives a :class:`DivergenceProbe` every N steps:
-``begin`` (before the real forward: output recording hooks, gradient hooks on the parameters if
-``capture_grads``), ``end_forward`` (after it), ``shadow`` (the FP32 forward; watch runs it once backward
-is done, before the optimizer step, and skips it if the parameters changed meanwhile), ``grads`` (the FP32
-backward from the captured upstream gradient), ``events`` (one host read), ``close``. Metric sums are
-queued in a :class:`~ampaudit.runtime.metric_batch.MetricBatch` and reduced together by ``events``.
+``ampaudit.watch`` (``runtime.schedule``) drives one :class:`DivergenceProbe` per check: ``begin`` (before the
+real forward; records outputs, and parameter gradients if ``capture_grads``), ``end_forward``, ``shadow`` (the
+FP32 forward, after backward and before the optimizer step; skipped if the parameters changed), ``grads`` (the
+FP32 backward from the captured upstream gradient), ``events`` (one host read), ``close``; then the next check.
 
 Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR = 20 log10(|b|/|a-b|)
 (b is the FP32 reference):
@@ -24,11 +22,10 @@ Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR 
   gradient (d loss / d output, captured during the real backward) through the FP32 graph, so the loss
   function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
 
-Tensors above ``METRIC_SAMPLE`` elements are compared on evenly spaced elements (see there). The shadow
-runs with autocast disabled, in IEEE FP32 even where the user allowed TF32 or bf16 FP32 math
-(``fp32.ieee_fp32``), on the same inputs (low-precision float inputs upcast) and RNG state; buffers
-(BatchNorm running stats) are restored afterwards. It needs FP32 parameters (autocast training); a model
-cast to half is skipped.
+Outputs above ``METRIC_SAMPLE`` elements are compared on evenly spaced elements (``metric_batch``). The shadow
+runs with autocast off, in IEEE FP32 even where TF32 or bf16 FP32 math is allowed (``fp32.ieee_fp32``), on the
+same inputs (upcast) and RNG state; buffers (BatchNorm running stats) are put back afterwards (after the FP32
+backward, which needs them unchanged). It needs FP32 parameters (autocast training).
 """
 from __future__ import annotations
 
@@ -40,30 +37,20 @@ import torch.nn as nn
 
 from torch.nn.modules.module import register_module_forward_hook
 
+from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import ieee_fp32, upcast
-from ampaudit.runtime.locate import float_tensors, preserved, module_names, unwrap
+from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, preserved, rng_replayed, unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
-# Modules (exact types: a subclass may add its own ops) that call no op autocast lowers on CPU or CUDA
-# (matmul, linear, conv, prelu, attention, RNN cells): on the shadow's inputs they run under autocast exactly
-# as in FP32, so their local error is zero by construction. Their local event is written without the
-# re-run, which on a transformer saves about half of the local scope's cost (norms, activations, dropout).
-AUTOCAST_NEUTRAL: frozenset[type] = frozenset({
-    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
-    nn.Embedding, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-    nn.Identity, nn.Flatten, nn.Unflatten,
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.SELU, nn.Tanh,
-    nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
-    nn.Softmax, nn.LogSoftmax, nn.GLU,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
-})
-_NEUTRAL_DEVICES = ("cpu", "cuda")       # the autocast op lists the table was checked against
+# Modules whose ops autocast never lowers (rules/ops.toml, [autocast_neutral]; exact types): their local
+# error is zero by construction, and their local event is written without the re-run.
+AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
+    getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])
+    if isinstance(getattr(nn, name, None), type))
+_NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
 _ZERO_ERROR = (0.0, 0.0, 0.0, 0.0, 0.0)  # metric sums of two identical tensors: rel_l2 0, max_abs 0
 
 
@@ -101,10 +88,11 @@ class DivergenceProbe:
         self._real_grads: dict[str, torch.Tensor] = {}
         self._in_local = False
         self._range: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._restore_buffers: Any = None          # set by a gradient-scope shadow until ``grads``
         self._reset()
         self.usable = self._usable()
 
-    def _usable(self) -> bool:
+    def _usable(self) -> bool:        # FP32 weights: a model cast to half has no FP32 to compare with
         return all(p.dtype == torch.float32 for p in self.root.parameters() if p.is_floating_point())
 
     def _reset(self) -> None:
@@ -114,24 +102,20 @@ class DivergenceProbe:
         self._real: dict[str, list[list[torch.Tensor]]] = {}
         self._calls: dict[str, int] = {}
         self._inputs: dict[str, list[tuple]] = {}
-        # (event fields, metric sums): a device tensor, the row of ``_batch`` that will hold them, or a
-        # tuple of plain numbers.
+        # (event fields, sums: a device tensor, a row of ``_batch``, or a tuple of plain numbers)
         self._pending: list[tuple[dict, Any]] = []
         self._batch = MetricBatch(METRIC_SAMPLE)
         self._shadow_out: list[torch.Tensor] = []
         self._in_shadow = False
         self.active = self._recorded = False
-        self._param_versions: list[int] = []
-        self._param_names: dict[torch.Tensor, str] = {}
+        self._param_versions, self._param_names = [], {}
         self._run_local_now = bool(self._local_mods)
         self.capture_grads = False       # set by ``begin``: whether ``grads`` will have real gradients
 
     # --- real forward --------------------------------------------------------------------------------
     def begin(self, *, capture_grads: bool, local: bool = True) -> None:
         """Before the real forward: record module outputs; optionally the real parameter gradients.
-
-        ``local=False`` skips this check's local re-runs (of the modules the constructor's ``local`` chose).
-        """
+        ``local=False`` skips this check's local re-runs (of the modules the constructor's ``local`` chose)."""
         self._reset()
         self._range = []
         self.usable = self._usable()
@@ -202,12 +186,18 @@ class DivergenceProbe:
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
         self._in_shadow = True
         self._last_real = None
+        restore = buffer_snapshot(self.root)
         try:
-            with preserved(self.root, rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False), \
-                    ieee_fp32():
+            with rng_replayed(rng_state), grad_ctx, torch.autocast(self.device_type, enabled=False), ieee_fp32():
                 out = self.root(*upcast(args), **upcast(kwargs))
         finally:
             self._in_shadow = False
+            # The FP32 graph saved some buffers (BatchNorm's running stats): putting them back bumps their
+            # version, which its backward would refuse. With the gradient scope they wait for ``grads``.
+            if grad:
+                self._restore_buffers = restore
+            else:
+                restore()
         self._real.clear()
         self._last_ref = None
         self._shadow_out = [t for t in float_tensors(out) if t.requires_grad] if grad else []
@@ -287,10 +277,14 @@ class DivergenceProbe:
         self._remove_grad_hooks()         # they would also see the FP32 gradients computed below
         pairs = [(o, g.float()) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
         params = [p for p in self._param_names if self._param_names[p] in self._real_grads]
-        if not pairs or not params:
-            return
-        with torch.enable_grad(), ieee_fp32():
-            g32 = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+        try:
+            if not pairs or not params:
+                return
+            with torch.enable_grad(), ieee_fp32():
+                g32 = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs],
+                                          allow_unused=True)
+        finally:
+            self._put_buffers_back()
         named = [(self._param_names[p], ref) for p, ref in zip(params, g32)
                  if ref is not None and ref.numel() and ref.shape == self._real_grads[self._param_names[p]].shape]
         if named:
@@ -344,6 +338,11 @@ class DivergenceProbe:
             r["flush_share"] = r.pop("flush") / n
         return result
 
+    def _put_buffers_back(self) -> None:
+        restore, self._restore_buffers = self._restore_buffers, None
+        if restore is not None:
+            restore()
+
     def _remove_grad_hooks(self) -> None:
         for h in self._grad_handles:
             h.remove()
@@ -351,6 +350,7 @@ class DivergenceProbe:
 
     def close(self) -> None:
         """Remove this check's hooks and drop what it holds; the probe can ``begin`` another check."""
+        self._put_buffers_back()
         self._remove_grad_hooks()
         for h in self._handles:
             h.remove()

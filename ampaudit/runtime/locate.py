@@ -29,7 +29,7 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -229,23 +229,39 @@ class NonFiniteLocator(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def preserved(root: nn.Module, rng_state: dict | None) -> Iterator[None]:
-    """Run a replay without side effects: buffers (BatchNorm running stats) and RNG are restored."""
+def buffer_snapshot(root: nn.Module) -> Callable[[], None]:
+    """A copy of ``root``'s buffers (BatchNorm running stats); call the result to put them back."""
     saved = {name: b.detach().clone() for name, b in root.named_buffers()}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for name, b in root.named_buffers():
+                if name in saved and b.shape == saved[name].shape:
+                    b.copy_(saved[name])
+    return restore
+
+
+@contextlib.contextmanager
+def rng_replayed(rng_state: dict | None) -> Iterator[None]:
+    """Inside: the RNG state ``rng_state`` (see :func:`capture_rng`); outside, the state is as before."""
     cuda_devices = list(rng_state.get("cuda", {})) if rng_state else []
     with torch.random.fork_rng(devices=cuda_devices, enabled=True):
         if rng_state:
             torch.set_rng_state(rng_state["cpu"])
             for dev, state in rng_state.get("cuda", {}).items():
                 torch.cuda.set_rng_state(state, dev)
+        yield
+
+
+@contextlib.contextmanager
+def preserved(root: nn.Module, rng_state: dict | None) -> Iterator[None]:
+    """Run a replay without side effects: buffers (BatchNorm running stats) and RNG are restored."""
+    restore = buffer_snapshot(root)
+    with rng_replayed(rng_state):
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, b in root.named_buffers():
-                    if name in saved and b.shape == saved[name].shape:
-                        b.copy_(saved[name])
+            restore()
 
 
 def capture_rng(tensors: list[torch.Tensor]) -> dict:

@@ -14,6 +14,7 @@ precision on its FP32 inputs, scope ``local``); None turns a scope off. One
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -21,6 +22,10 @@ import torch.nn as nn
 
 from ampaudit.errors import UsageError
 from ampaudit.runtime.divergence import DivergenceProbe
+
+
+class DivergenceCheckWarning(UserWarning):
+    """A divergence check failed; training goes on without that check's events."""
 
 
 def check_every(name: str, value: Any, *, optional: bool) -> None:
@@ -60,11 +65,14 @@ class DivergenceSchedule:
         probe.begin(capture_grads=grads and torch.is_grad_enabled(), local=local)
         return probe
 
-    @staticmethod
-    def finish(probe: DivergenceProbe, args: tuple, kwargs: dict, rng_state: dict | None,
+    def finish(self, probe: DivergenceProbe, args: tuple, kwargs: dict, rng_state: dict | None,
                upstream: list[torch.Tensor | None]) -> list[dict]:
         """After the pass (after backward, before the optimizer step): run the FP32 shadow, return the
-        ``divergence`` event fields. ``upstream``: d loss / d output per output (the ``grad`` scope)."""
+        ``divergence`` event fields. ``upstream``: d loss / d output per output (the ``grad`` scope).
+
+        A check that raises (a model whose FP32 run fails, an in-place update the FP32 backward refuses)
+        gives a :class:`DivergenceCheckWarning` and no events: a diagnostic must not stop the training.
+        """
         grads = probe.capture_grads and any(g is not None for g in upstream)
         try:
             # After backward the real activations are freed. Without the gradient scope the shadow runs
@@ -73,6 +81,12 @@ class DivergenceSchedule:
             if grads:
                 probe.grads(upstream)
             return probe.events()
+        except Exception as exc:  # noqa: BLE001 - reported, and the training loop goes on
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            warnings.warn(f"ampaudit.watch: the divergence check at step {self._last_step} failed "
+                          f"({type(exc).__name__}: {first[:200]}); training continues without it",
+                          DivergenceCheckWarning, stacklevel=2)
+            return []
         finally:
             probe.close()
 

@@ -4,7 +4,7 @@ The trainer writes ``meta``, ``step``, ``skip``, ``checkpoint`` and ``halt``; ``
 same writer, adds ``stats``, ``nonfinite`` and ``divergence``. Every method is a no-op when there is no trace
 (library use without ``trace=``, or a DDP rank other than 0), so the loop calls them unconditionally.
 
-    trace = TrainTrace("run.jsonl", model, dtype=torch.float16, every=50)
+    trace = TrainTrace("run.jsonl", model, dtype=torch.float16, every=50, divergence_every=500)
     trace.open(step=0, append=False, meta={...})
     trace.set_step(1); ...; trace.write("step", step=1, loss=0.5, ...)
     trace.close()
@@ -25,8 +25,9 @@ class TrainTrace:
     """Writer plus optional watch hooks for one training run."""
 
     def __init__(self, target: str | Path | TraceWriter | None, model: nn.Module, *, dtype: torch.dtype,
-                 every: int):
+                 every: int, divergence_every: int | None = None):
         self._target, self._model, self._dtype, self._every = target, model, dtype, every
+        self._divergence_every = divergence_every
         self._writer: TraceWriter | None = None
         self._owns = False
         self._watch: Any = None
@@ -55,7 +56,8 @@ class TrainTrace:
             from ampaudit.runtime.watch import watch
         except ImportError:  # the runtime hooks are optional: the trainer's own events still get written
             return None
-        return watch(self._model, trace=self._writer, every=self._every, dtype=self._dtype, stats=True)
+        return watch(self._model, trace=self._writer, every=self._every, dtype=self._dtype, stats=True,
+                     divergence_every=self._divergence_every)
 
     def write(self, event: str, step: int | None = None, **fields: Any) -> None:
         if self._writer is not None:

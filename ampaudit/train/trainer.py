@@ -91,7 +91,8 @@ class Trainer:
                  loss_scale: str | float | LossScaler = "auto", max_consecutive_skips: int | None = 50,
                  scaler_options: dict[str, Any] | None = None,
                  device: str | torch.device | None = None, trace: str | Path | TraceWriter | None = None,
-                 trace_every: int = 50, checkpoint_dir: str | Path | None = None,
+                 trace_every: int = 50, divergence_every: int | None = None,
+                 checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
                  meta: dict[str, Any] | None = None):
         self.dtype = parse_dtype(dtype)
@@ -103,9 +104,14 @@ class Trainer:
         self._clip_mode = "value" if clip_value is not None else (clip_mode if clip_norm is not None else None)
         self._clip_max = clip_value if clip_value is not None else clip_norm
         check_clip(self._clip_mode, self._clip_max)
-        for name, value in (("checkpoint_every", checkpoint_every), ("trace_every", trace_every)):
+        for name, value in (("checkpoint_every", checkpoint_every), ("trace_every", trace_every),
+                            ("divergence_every", divergence_every)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be >= 1, got {value}")
+        if divergence_every is not None and self.opt_level == "O2":
+            # The FP32 shadow runs the model's own weights, which O2 keeps in low precision.
+            raise UsageError("divergence checks need FP32 weights: opt level O1",
+                             hint="use --opt-level O1 with --divergence-every, or drop --divergence-every")
         self.accum = accum
         self._loss_fn = loss_fn
         self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -151,7 +157,13 @@ class Trainer:
         self._saved_step: int | None = None
         self._signals = StopSignals(handle_signals)
         # rank 0 alone writes the trace
-        self._trace = TrainTrace(trace if self.dist.is_main else None, model, dtype=self.dtype, every=trace_every)
+        if divergence_every is not None and self.dist.world_size > 1 and any(
+                isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+            # Rank 0 alone runs the FP32 shadow; a SyncBatchNorm in it would wait for the other ranks forever.
+            raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
+                             hint="drop --divergence-every, or check divergence in a single-process run")
+        self._trace = TrainTrace(trace if self.dist.is_main else None, model, dtype=self.dtype, every=trace_every,
+                                 divergence_every=divergence_every)
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
