@@ -311,3 +311,56 @@ def test_only_cpu_passes_end_early_in_the_gradient_hook():
             out.sum().backward()
             assert not w._pass_open                       # ended either way, before any optimizer step
     assert seen == {"cpu": True, "cuda": False}
+
+
+def test_a_forward_that_raises_later_is_located_and_not_compared_with_fp32():
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if x[0, 0] == 123.0:                          # this batch fails, and fails again when replayed
+                raise ValueError("bad batch")
+            return y
+
+    model = Flaky()
+    with watch(model, stats=False, locate_first=False, divergence_every=1, dtype=torch.bfloat16) as w:
+        for step in range(4):
+            w.set_step(step)
+            x = torch.randn(2, 4)
+            x[0, 0] = 123.0 if step == 2 else 0.5
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+            except ValueError:
+                continue
+            out.float().sum().backward()
+    errors = [e for e in w.nonfinite if e["kind"] == "error"]
+    assert [e["step"] for e in errors] == [2] and "bad batch" in errors[0]["message"]
+    assert {e["step"] for e in w.divergence} == {0, 1, 3}         # the failed pass has no FP32 comparison
+
+
+def test_the_first_pass_replay_ignores_an_inf_an_fp32_op_makes_and_masks():
+    # T5's relative-position buckets take log(0) in FP32 and mask the -inf right away: not a precision fault.
+    class Buckets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            pos = torch.arange(4, dtype=torch.float32)
+            logs = torch.log(pos)                           # log(0) = -inf at position 0, in any precision
+            bias = torch.where(torch.isinf(logs), torch.zeros_like(logs), logs)
+            return self.fc(x) + bias
+
+    model = Buckets()
+    with watch(model, dtype=torch.bfloat16) as w:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 4)).float().sum().backward()
+    assert w.nonfinite == []
+    # The op-level record still says where the inf came from, and that it was an FP32 op.
+    from ampaudit.runtime.locate import locate_nonfinite
+    events = locate_nonfinite(model, (torch.randn(2, 4),), dtype=torch.bfloat16)
+    assert events and events[0]["op"] == "aten.log" and events[0]["low_precision"] is False

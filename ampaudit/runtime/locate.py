@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from ampaudit.capture.fx_capture import is_user_file
 
 _TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Ops whose outputs are uninitialised memory: garbage there is not an overflow.
 _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "resize_")
 
@@ -218,7 +219,10 @@ class NonFiniteLocator(TorchDispatchMode):
             # do; a constant that merely overflows shows up where it is cast or combined with the activations.
             return out
         if not bad_in:
-            self._record(func, kind, "op", dtype)
+            # Whether the op ran in fp16/bf16: an inf that an FP32 op makes (T5's log(0) of a zero relative
+            # position, masked right after) would appear in an FP32 run too.
+            low = any(t.dtype in _LOW_PRECISION for t in inputs) or any(o.dtype in _LOW_PRECISION for o in outputs)
+            self._record(func, kind, "op", dtype, low_precision=low)
         else:
             # inf/NaN that came from outside the computation: report once per kind of source.
             for t in bad_in:

@@ -67,7 +67,7 @@ class PassHooks:
         self._replay_state = (args, kwargs, capture_rng(tensors), amp, torch.is_grad_enabled())
         self._upstream, self._bw_queued, self._cheap_flags = [], False, []
         self._lean, self._flag = False, None
-        self._pass_open = True
+        self._pass_open, self._forward_done = True, False
         self._probe = self._schedule.begin(self.step, *amp)
 
     def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
@@ -99,7 +99,7 @@ class PassHooks:
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
         if self._suspended or not self._pass_open:
             return
-        self._hooked = (None, [])
+        self._hooked, self._forward_done = (None, []), True
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
         grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
         if self._probe is not None:
@@ -152,7 +152,24 @@ class PassHooks:
             return
         self._pass_open = False
         self._passes += 1
-        if self._sample:      # the root's slots already cover its outputs and the upstream gradient
+        # A pass can end after the loop moved on (a forward that raised ends at the next forward): its
+        # events carry the step of its own forward.
+        now, self.step = self.step, self._last_step if self._last_step is not None else self.step
+        try:
+            self._close_pass()
+        finally:
+            self.step = now
+
+    def _close_pass(self) -> None:
+        if not self._forward_done:
+            # The forward raised: replay it (the locator names where, as a kind "error" event); there is
+            # nothing to compare with FP32.
+            bad = [("", "")]
+            self._acc.end_pass(full=False)
+            if self._probe is not None:
+                self._probe, probe = None, self._probe
+                probe.close()
+        elif self._sample:      # the root's slots already cover its outputs and the upstream gradient
             bad = self._acc.end_pass(full=self._full)
         else:
             flag = self._flag if self._flag is not None else self._nonfinite_flag()
@@ -162,7 +179,7 @@ class PassHooks:
             if self._probe is not None:
                 self._finish_divergence()
             if self._should_replay(bool(bad)):
-                self._replay()
+                self._replay(proactive=not bad)
         finally:
             self._suspended = False
         if bad and self.raise_on_nonfinite and self._pending_error is None:
@@ -197,7 +214,10 @@ class PassHooks:
             return True
         return bad and self._replayed_interval != self._interval_start
 
-    def _replay(self) -> None:
+    def _replay(self, *, proactive: bool = False) -> None:
+        """Locate inf/NaN in the pass just ended. ``proactive``: nothing tripped the flag (the first pass,
+        replayed to find an inf that never leaves its module): only infs made by fp16/bf16 ops count there;
+        one an FP32 op makes would appear in an FP32 run too, and the pass ended finite."""
         args, kwargs, rng, (amp_on, amp_dtype), grad_mode = self._replay_state
         self._replays += 1
         self._replayed_interval = self._interval_start
@@ -205,6 +225,8 @@ class PassHooks:
         found = replay(self.root, args, kwargs, device_type=self.device_type,
                        dtype=amp_dtype if amp_on else self.dtype, autocast=amp_on, rng_state=rng,
                        upstream=upstream, max_events=self.max_events)
+        if proactive:
+            found = [ev for ev in found if ev.get("low_precision", True)]
         for ev in found:
             self._emit("nonfinite", **ev)
         if found and self.raise_on_nonfinite and self._pending_error is None:

@@ -79,6 +79,7 @@ class Watch(PassHooks):
         self._interval_start: int | None = None
         self._last_step: int | None = None
         self._pass_open = False
+        self._forward_done = False       # the root's forward returned (else it raised)
         self._sample = False             # this pass gathers per-module statistics
         self._full = False               # ... including exact counts (first sampled pass of an interval)
         self._counts_due = True
