@@ -32,8 +32,10 @@ def train(planted, model, w: Watch, steps: int, *, autocast: bool = True, half: 
 
 
 def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-               for m in model.modules())
+    """The model's module hooks plus the process-wide ones (a divergence check records with a global hook)."""
+    from torch.nn.modules import module as M
+    return (sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+            + len(M._global_forward_hooks) + len(M._global_forward_pre_hooks))
 
 
 @pytest.mark.parametrize("name", ["mask_fill", "gelu_cube", "cumsum_pool"])
@@ -340,6 +342,7 @@ def test_a_forward_that_raises_later_is_located_and_not_compared_with_fp32():
     errors = [e for e in w.nonfinite if e["kind"] == "error"]
     assert [e["step"] for e in errors] == [2] and "bad batch" in errors[0]["message"]
     assert {e["step"] for e in w.divergence} == {0, 1, 3}         # the failed pass has no FP32 comparison
+    assert hook_count(model) == 0                                  # the check's global hook went with it
 
 
 def test_the_first_pass_replay_ignores_an_inf_an_fp32_op_makes_and_masks():
