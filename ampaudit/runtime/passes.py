@@ -17,10 +17,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import AmpAuditError
 from ampaudit.runtime.locate import capture_rng, float_tensors, replay
 from ampaudit.runtime.stats import any_nonfinite, extremes
+
+
+_NO_HOOKED: tuple = (None, ())      # statistics: no tensor whose gradient hook is shared (see _on_module_output)
 
 
 class NonFiniteError(AmpAuditError):
@@ -44,31 +48,41 @@ class PassHooks:
             self.flush()
             self._interval_start = step
 
+    # The three hooks below run on every pass: they are written for the common case (one tensor in and
+    # out, nothing due), where every attribute lookup and call shows in the step time (docs/watch.md).
     def _on_forward_start(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._suspended:
             return
         if self._pass_open:              # the previous forward got no backward
             self._end_pass()
-        self._raise_pending()
+        if self._pending_error is not None:
+            self._raise_pending()
         if not self._explicit_step:
             self.step = self._forwards
             self._maybe_flush(self.step)
         elif self._interval_start is None:
             self._interval_start = self.step
+        step = self._last_step = self.step
         self._forwards += 1
-        self._last_step = self.step
-        self._sample = self.stats and self._passes % self.stats_every == 0
-        self._full = self._sample and self._counts_due
-        if self._full:
+        sample = self._sample = self.stats and self._passes % self.stats_every == 0
+        if sample:
+            self._full = self._counts_due
             self._counts_due = False
+        else:
+            self._full = False
         dt = self.device_type
         amp = (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] if not kwargs else float_tensors((args, kwargs))
-        self._replay_state = (args, kwargs, capture_rng(tensors), amp, torch.is_grad_enabled())
+        if dt == "cpu":                  # only the CPU generator matters
+            rng = {"cpu": torch.get_rng_state()}
+        else:                            # and the generators of the devices the inputs are on
+            rng = capture_rng([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
+        self._replay_state = (args, kwargs, rng, amp, torch.is_grad_enabled())
         self._upstream, self._bw_queued, self._cheap_flags = [], False, []
         self._lean, self._flag = False, None
         self._pass_open, self._forward_done = True, False
-        self._probe = self._schedule.begin(self.step, *amp)
+        every = self.divergence_every
+        self._probe = (self._schedule.begin(step, *amp) if every is not None and step % every == 0 and amp[0]
+                       else None)
 
     def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
         if not self._sample or self._suspended or not self._pass_open:
@@ -99,15 +113,20 @@ class PassHooks:
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
         if self._suspended or not self._pass_open:
             return
-        self._hooked, self._forward_done = (None, []), True
+        self._hooked, self._forward_done = _NO_HOOKED, True
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
         grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
-        if self._probe is not None:
-            self._probe.end_forward()    # the FP32 shadow runs at the end of the pass
-        if not self._sample:             # a sampled pass has the root's statistics instead
+        probe = self._probe
+        if probe is not None:
+            probe.end_forward()          # the FP32 shadow runs at the end of the pass
+        sample = self._sample
+        if not sample:                   # a sampled pass has the root's statistics instead
             # The outputs and, below, d loss / d output: a loss linear in the output (a sum, a policy
             # gradient) passes a NaN output on as a finite gradient.
-            self._cheap_flags.extend(v for o in outs if o.numel() for v in extremes(o))
+            flags = self._cheap_flags
+            for o in outs:
+                if o.numel():
+                    flags.extend(extremes(o))
         if not grads:
             self._end_pass()
             self._raise_pending()
@@ -119,10 +138,16 @@ class PassHooks:
         # CUDA a read at the start of backward would stall the queue of kernels (the forward's must finish
         # before any backward kernel is queued): there the flag is read once the backward is done, where
         # a GradScaler makes its own read.
-        self._lean = (self.device_type == "cpu" and len(grads) == 1 and not self._sample
-                      and self._probe is None and not (self.locate_first and self._replays == 0))
-        for i in grads:
-            outs[i].register_hook(functools.partial(self._on_upstream, i))
+        self._lean = (len(grads) == 1 and not sample and probe is None and self.device_type == "cpu"
+                      and (self._replays or not self.locate_first))
+        if grads == [0]:
+            outs[0].register_hook(self._on_upstream_0)
+        else:
+            for i in grads:
+                outs[i].register_hook(functools.partial(self._on_upstream, i))
+
+    def _on_upstream_0(self, grad: torch.Tensor) -> None:
+        self._on_upstream(0, grad)
 
     def _on_upstream(self, index: int, grad: torch.Tensor) -> None:
         if self._suspended or not self._pass_open:
@@ -131,8 +156,8 @@ class PassHooks:
         if grad.numel() and not self._sample:
             self._cheap_flags.extend(extremes(grad))
         if self._lean:
-            self._flag = self._nonfinite_flag()
-            if not self._flag:
+            flag = self._flag = any_nonfinite(self._cheap_flags)
+            if not flag:
                 self._pass_open = False
                 self._passes += 1
                 return
