@@ -39,3 +39,16 @@ class BackwardOverflow(nn.Module):
 
     def forward(self, x):
         return self.out(torch.tanh(self.boost(self.inp(x))))
+
+
+class MaskedLogBuckets(nn.Module):
+    """T5-style relative-position buckets: log(0) in FP32 makes -inf, masked right away (not a precision fault)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.width = width
+
+    def forward(self, x):
+        logs = torch.log(torch.arange(self.width, dtype=torch.float32))   # -inf at position 0, in any precision
+        return self.fc(x) + torch.where(torch.isinf(logs), torch.zeros_like(logs), logs)

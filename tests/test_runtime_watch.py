@@ -236,6 +236,7 @@ def test_ddp_wrapped_model_is_unwrapped_for_names(tmp_path):
 
 
 from _shared_models import BackwardOverflow as _BackwardOverflow
+from _shared_models import MaskedLogBuckets
 
 
 def test_skipped_step_replays_and_locates_a_backward_overflow():
@@ -347,18 +348,7 @@ def test_a_forward_that_raises_later_is_located_and_not_compared_with_fp32():
 
 def test_the_first_pass_replay_ignores_an_inf_an_fp32_op_makes_and_masks():
     # T5's relative-position buckets take log(0) in FP32 and mask the -inf right away: not a precision fault.
-    class Buckets(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            pos = torch.arange(4, dtype=torch.float32)
-            logs = torch.log(pos)                           # log(0) = -inf at position 0, in any precision
-            bias = torch.where(torch.isinf(logs), torch.zeros_like(logs), logs)
-            return self.fc(x) + bias
-
-    model = Buckets()
+    model = MaskedLogBuckets(4)
     with watch(model, dtype=torch.bfloat16) as w:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(torch.randn(2, 4)).float().sum().backward()
