@@ -209,3 +209,19 @@ def test_the_autocast_neutral_table_lists_real_modules_autocast_never_lowers():
         lowered = [n for n in names if n in mapped and policy.category(mapped[n]) == "lower"]
         assert not lowered, (device, lowered)
     assert nn.Linear not in divergence.AUTOCAST_NEUTRAL and nn.LayerNorm in divergence.AUTOCAST_NEUTRAL
+
+
+def test_samples_of_a_view_start_where_the_view_does():
+    # q, k and v split from one qkv output are views with a storage offset: a strided sample must read
+    # their own elements, in the order a flattened copy has them.
+    from ampaudit.runtime.metric_batch import sample, sample_copy
+    base = torch.arange(40.0)
+    view = base[10:30]
+    assert view.storage_offset() == 10 and view.is_contiguous()
+    expected = view.reshape(-1)[::4].clone()
+    assert torch.equal(sample(view, 5), expected) and torch.equal(sample_copy(view, 5), expected)
+    strided = base.view(8, 5).t()                          # not contiguous: the flattened order is the view's
+    assert torch.equal(sample_copy(strided, 10), strided.reshape(-1)[::4])
+    copy = sample_copy(view, 5)
+    view.zero_()                                           # a copy: later in-place changes do not reach it
+    assert torch.equal(copy, expected) and copy.sum() > 0
