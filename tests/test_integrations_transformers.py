@@ -50,11 +50,24 @@ class Poison(TrainerCallback):
         self.on = state.global_step == self.step
 
 
-def _train(tmp_path, callback, *, steps: int = 4, accum: int = 2, scaler: bool = True, poison: int | None = None):
+class Boom(TrainerCallback):
+    """Makes train() raise after its first step, the first time only."""
+
+    def __init__(self):
+        self.armed = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("boom")
+
+
+def _train(tmp_path, callback, *, steps: int = 4, accum: int = 2, scaler: bool = True, poison: int | None = None,
+           extra: list | None = None):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=32,
                                        bos_token_id=0, eos_token_id=0))
-    callbacks = [callback]
+    callbacks = [callback, *(extra or [])]
     if poison is not None:
         callbacks.insert(0, Poison(model.transformer.h[0].mlp.c_fc.weight, poison))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
@@ -111,6 +124,18 @@ def test_outputs_stay_fp32_and_no_scaler_means_no_skips(tmp_path):
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     assert out.logits.dtype == torch.float32
+
+
+def test_a_train_that_raised_leaves_no_hooks_once_the_callback_is_used_again(tmp_path):
+    # Hugging Face calls no callback when train() raises: the next on_train_begin takes the old hooks off.
+    callback, boom = AmpAuditCallback(every=1), Boom()
+    with pytest.raises(RuntimeError, match="boom"):
+        _train(tmp_path, callback, steps=2, accum=1, scaler=False, extra=[boom])
+    first = callback._model
+    assert any(m._forward_hooks or m._forward_pre_hooks for m in first.modules())      # left behind
+    _train(tmp_path, callback, steps=1, accum=1, scaler=False, extra=[boom])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in first.modules())
+    assert first.__dict__["forward"] is not first._original_forward                    # accelerate's wrapper back
 
 
 def test_args_dtype():

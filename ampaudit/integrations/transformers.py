@@ -110,6 +110,8 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
                        optimizer: Any = None, **kwargs: Any) -> None:
         if model is None or not state.is_world_process_zero:
             return
+        # A train() that raised never reached on_train_end: take its hooks off before adding new ones.
+        self._detach()
         self._model = model
         self.session.start(model, dtype=self.dtype or args_dtype(args), integration="transformers",
                            max_grad_norm=args.max_grad_norm,
@@ -190,10 +192,13 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
                               loss=loss)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._detach()
+        self.session.close()
+
+    def _detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         if self._patched_forward is not None and self._model is not None:
             self._model.forward = self._patched_forward
             self._patched_forward = None
-        self.session.close()
