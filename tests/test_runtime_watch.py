@@ -357,3 +357,23 @@ def test_the_first_pass_replay_ignores_an_inf_an_fp32_op_makes_and_masks():
     from ampaudit.runtime.locate import locate_nonfinite
     events = locate_nonfinite(model, (torch.randn(2, 4),), dtype=torch.bfloat16)
     assert events and events[0]["op"] == "aten.log" and events[0]["low_precision"] is False
+
+
+def test_a_tripped_flag_lists_low_precision_origins_before_fp32_ones():
+    # A T5-like FP32 log(0) runs first, then an fp16 overflow reaches the output: the first event names the overflow.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.buckets = MaskedLogBuckets(4)
+            self.boost = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.boost(self.buckets(x)) * 1e5          # fp16: inf
+
+    model = Net()
+    with watch(model, stats=False, locate_first=False) as w:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(2, 4))
+        out.float().sum().backward()
+    assert w.nonfinite and w.nonfinite[0]["low_precision"] is True and w.nonfinite[0]["module"] == ""
+    assert any(e["op"] == "aten.log" for e in w.nonfinite[1:])

@@ -252,6 +252,8 @@ class PassHooks:
                        upstream=upstream, max_events=self.max_events)
         if proactive:
             found = [ev for ev in found if ev.get("low_precision", True)]
+        else:   # infs an FP32 op made (and maybe masked) go after the ones low precision made: the first names the cause
+            found.sort(key=lambda ev: ev.get("low_precision") is False)
         for ev in found:
             self._emit("nonfinite", **ev)
         if found and self.raise_on_nonfinite and self._pending_error is None:
