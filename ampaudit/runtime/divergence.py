@@ -356,9 +356,7 @@ class DivergenceProbe:
             h.remove()
         self._handles.clear()
         self._real_grads.clear()
-        pending_range = self._range
-        self._reset()
-        self._range = pending_range      # ``ranges_by_module`` reads them after close
+        self._reset()                    # keeps ``_range``: ``ranges_by_module`` reads it after close
 
 
 def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *,

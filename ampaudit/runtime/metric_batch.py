@@ -25,6 +25,12 @@ import math
 import torch
 
 
+def _stride(n: int, limit: int) -> tuple[int, int]:
+    """(length, step) of the evenly spaced sample of ``n`` elements: step = ceil(n / limit), 1 up to ``limit``."""
+    k = max(1, -(-n // limit))
+    return -(-n // k), k
+
+
 def sample(t: torch.Tensor, limit: int) -> torch.Tensor:
     """``t`` flattened; above ``limit`` elements, every k-th element (k = ceil(numel / limit)). A view."""
     # One op where possible (a check samples a few dozen tensors, and on CPU each op costs more than
@@ -32,12 +38,11 @@ def sample(t: torch.Tensor, limit: int) -> torch.Tensor:
     # tensor is strided in place instead of flattened and then sliced.
     if t.requires_grad:
         t = t.detach()
-    n = t.numel()
-    if n <= limit:
+    length, k = _stride(t.numel(), limit)
+    if k == 1:
         return t.reshape(-1)
-    k = -(-n // limit)
     if t.is_contiguous():
-        return t.as_strided((-(-n // k),), (k,))
+        return t.as_strided((length,), (k,))
     return t.reshape(-1)[::k]
 
 
@@ -46,11 +51,10 @@ def sample_copy(t: torch.Tensor, limit: int, dtype: torch.dtype | None = None) -
 
     One op for a contiguous tensor (a strided copy), where a view, a detach and a clone would be three.
     """
-    n = t.numel()
     with torch.no_grad():
         if t.is_contiguous():
-            k = max(1, -(-n // limit))
-            out = torch.as_strided_copy(t, (-(-n // k),), (k,))
+            length, k = _stride(t.numel(), limit)
+            out = torch.as_strided_copy(t, (length,), (k,))
         else:
             out = sample(t, limit).clone()
     return out if dtype is None or out.dtype == dtype else out.to(dtype)
@@ -63,10 +67,9 @@ def sample_copy(t: torch.Tensor, limit: int, dtype: torch.dtype | None = None) -
 METRIC_SAMPLE = 16384
 
 
-
 def _sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     b = sample(b, METRIC_SAMPLE).float()
-    d = torch.sub(sample(a, METRIC_SAMPLE), b)                    # promotes a low-precision ``a`` without a copy of it
+    d = torch.sub(sample(a, METRIC_SAMPLE), b)      # promotes a low-precision ``a`` without a copy of it
     dd, bb, db = d.dot(d), b.dot(b), d.dot(b)
     # a = d + b: a.b = d.b + |b|^2 and |a|^2 = |d|^2 + 2 d.b + |b|^2, so ``a`` is read once. Separate
     # amin/amax beat aminmax and abs().amax() on CPU.
@@ -135,7 +138,7 @@ class MetricBatch:
             ref = sample_copy(b, self.limit, torch.float32)
             if a.dim() != 1 or a.numel() != ref.numel():      # not already sampled (see the docstring)
                 a = sample(a, self.limit)
-            ds.append(torch.sub(a, ref, ))
+            ds.append(torch.sub(a, ref))
             bs.append(ref)
         if not ds:
             return None

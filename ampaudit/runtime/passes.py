@@ -197,7 +197,11 @@ class PassHooks:
         elif self._sample:      # the root's slots already cover its outputs and the upstream gradient
             bad = self._acc.end_pass(full=self._full)
         else:
-            flag = self._flag if self._flag is not None else self._nonfinite_flag()
+            # The extremes of the model's outputs and of the upstream gradient (read already on a lean pass).
+            # An overflow that starts inside backward shows up in the per-module gradient statistics of the
+            # next sampled pass, or in on_skipped_step; checking every parameter gradient on every pass would
+            # cost more than the rest of this path together.
+            flag = self._flag if self._flag is not None else any_nonfinite(self._cheap_flags)
             bad = [("", "")] if flag else []
         self._suspended = True
         try:
@@ -218,13 +222,6 @@ class PassHooks:
     def replaying(self) -> bool:
         """True while the watch runs the model itself (FP32 shadow, locator replay) and sets autocast on its own."""
         return self._suspended
-
-    def _nonfinite_flag(self) -> bool:
-        # The extremes of the model's outputs and of the upstream gradient. An overflow that starts inside
-        # backward shows up in the per-module gradient statistics of the next sampled pass, or in
-        # on_skipped_step; checking every parameter gradient on every pass would cost more than the rest of
-        # this path together.
-        return any_nonfinite(self._cheap_flags)
 
     def _finish_divergence(self) -> None:
         probe, self._probe = self._probe, None
@@ -252,7 +249,8 @@ class PassHooks:
                        upstream=upstream, max_events=self.max_events)
         if proactive:
             found = [ev for ev in found if ev.get("low_precision", True)]
-        else:   # infs an FP32 op made (and maybe masked) go after the ones low precision made: the first names the cause
+        else:
+            # Infs an FP32 op made (and maybe masked) go after those low precision made: the first names the cause.
             found.sort(key=lambda ev: ev.get("low_precision") is False)
         for ev in found:
             self._emit("nonfinite", **ev)
