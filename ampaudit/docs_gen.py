@@ -76,8 +76,15 @@ def render_rule(rule: Rule, example: dict[str, str]) -> str:
              f"Message: `{_template(rule.message)}`", ""]
     if rule.param("ops"):
         lines += ["Ops: " + ", ".join(f"`{op}`" for op in rule.param("ops")), ""]
-    lines += ["## Why it matters", "", _paragraph(rule.why), "",
-              "## Example", "", _code(example["example"]), "",
+    lines += ["## Why it matters", "", _paragraph(rule.why), ""]
+    variants = rule.param("variants", {})
+    if variants:
+        # What the finding says instead when the kernel or the parameters make it a different case.
+        lines += ["## Cases", "", "| case | severity | why |", "|---|---|---|"]
+        for name, v in variants.items():
+            lines.append(f"| `{name}` | {v.get('severity', rule.severity)} | {_paragraph(v.get('why', rule.why))} |")
+        lines.append("")
+    lines += ["## Example", "", _code(example["example"]), "",
               "## Fix", ""]
     if rule.fix:
         fix = _template(rule.fix)

@@ -5,7 +5,7 @@
     policy.low                      # torch.float16
     policy.alignment                # 8
 
-The tables live in ``rules/policy/<device>.toml`` and ``rules/ops.toml``; nothing here names an op.
+The tables live in ``rules/policy/<device>.toml`` and ``rules/policy/ops.toml``; nothing here names an op.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def rules_dir() -> Path:
     """The packaged rules/ folder (inside the wheel) or the repository's rules/ (source checkout, editable)."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "_rules", here.parent / "rules"):
-        if (candidate / "ops.toml").is_file():
+        if (candidate / "policy" / "ops.toml").is_file():
             return candidate
     raise RuleError("ampaudit's rules/ data folder is missing", hint="reinstall ampaudit")
 
@@ -46,13 +46,32 @@ def read_toml(path: Path) -> dict:
 
 @lru_cache(maxsize=None)
 def op_names() -> dict:
-    """``{"modules": {class name: op}, "aliases": {...}, "casts": {...}}`` from rules/ops.toml."""
-    return read_toml(rules_dir() / "ops.toml")
+    """``{"modules": {class name: op}, "aliases": {...}, "casts": {...}}`` from rules/policy/ops.toml."""
+    return read_toml(rules_dir() / "policy" / "ops.toml")
 
 
 @lru_cache(maxsize=None)
 def settings() -> dict:
-    return read_toml(rules_dir() / "settings.toml")
+    return read_toml(rules_dir() / "policy" / "settings.toml")
+
+
+@lru_cache(maxsize=None)
+def kernels() -> dict:
+    """rules/policy/kernels.toml: what the kernels do with fp16/bf16 tensors (hazard per op, see the file)."""
+    data = read_toml(rules_dir() / "policy" / "kernels.toml")
+    hazard = {op: name for name, ops in data.get("hazard", {}).items() for op in ops}
+    return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", [])),
+            "half_params": frozenset(data.get("half_params", {}).get("ops", []))}
+
+
+def kernel_hazard(op: str, dtype: torch.dtype) -> str | None:
+    """What remains hazardous when ``op``'s kernel runs on ``dtype`` tensors: "range", "conditioning",
+    "storage", or None for ops the table does not know. A range hazard in a dtype with fp32's range (bf16) is
+    only one of storage."""
+    hazard = kernels()["hazard"].get(op)
+    if hazard == "range" and str(dtype).replace("torch.", "") in kernels()["wide_range"]:
+        return "storage"
+    return hazard
 
 
 @dataclass(frozen=True)

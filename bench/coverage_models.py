@@ -87,6 +87,7 @@ class Built:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     device: str = "meta"
+    spec: dict | None = None
 
 
 def list_models(families: list[str], *, timm_count: int = 160) -> list[dict]:
@@ -103,6 +104,7 @@ def build(spec: dict, device: str) -> Built:
     torch.manual_seed(0)
     built = _BUILDERS[spec["family"]](spec["name"], device)
     built.model.eval()
+    built.spec = spec
     return built
 
 

@@ -96,7 +96,47 @@ def _ampaudit(built) -> dict:
             "notes": [n for n in report.notes if not n.startswith("calibrated")][:4]}
 
 
-_STAGE_FNS = {"fx": _fx, "export": _export, "ampaudit": _ampaudit}
+def verdict(report) -> dict:
+    """What a user of the default target sees: findings per (rule, family, severity), and the table's height."""
+    import io
+
+    from rich.console import Console
+
+    from ampaudit.report.console import render_report
+
+    counts: dict[str, int] = {}
+    for f in report.findings:
+        key = f"{f.rule}|{f.family}|{f.severity}"
+        counts[key] = counts.get(key, 0) + 1
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    render_report(report, console)
+    return {"counts": counts, "lines": console.file.getvalue().count("\n"), "worst": report.worst()}
+
+
+def _audit(built) -> dict:
+    """The static audit under the default target, with what its verdict looks like (bench/accuracy.py)."""
+    import ampaudit
+
+    report = ampaudit.check(built.model, *built.args, **built.kwargs)
+    return {"ok": True, "capture": report.capture, **verdict(report)}
+
+
+def _calibrate(built) -> dict:
+    """``check --calibrate`` under the default target: needs real weights, so a meta model is rebuilt on CPU."""
+    import ampaudit
+
+    model = built.model
+    if any(p.is_meta for p in model.parameters()):
+        from coverage_models import build
+
+        built = build(built.spec, "cpu")
+        model = built.model
+    report = ampaudit.check(model, *built.args, calibrate=True, **built.kwargs)
+    return {"ok": True, "capture": report.capture, **verdict(report),
+            "notes": [n for n in report.notes if "skipped" in n][:4]}
+
+
+_STAGE_FNS = {"fx": _fx, "export": _export, "ampaudit": _ampaudit, "audit": _audit, "calibrate": _calibrate}
 
 
 def _preload(families: tuple[str, ...] | None) -> None:
@@ -178,7 +218,7 @@ class _Worker:
 
 def _new_row(spec: dict) -> dict:
     return {"family": spec["family"], "model": spec["name"], "device": None,
-            **{s: None for s in STAGES}, "capture": None, "findings": None, "seconds": {}, "errors": {},
+            **{s: None for s in (*STAGES, "audit", "calibrate")}, "capture": None, "findings": None, "seconds": {}, "errors": {},
             "notes": []}
 
 
@@ -195,6 +235,10 @@ def _record(row: dict, stage: str, result: dict) -> None:
     if stage == "ampaudit" and result.get("ok"):
         row["capture"], row["findings"] = result["capture"], result["findings"]
         row["notes"].extend(result.get("notes") or [])
+    if stage in ("audit", "calibrate") and result.get("ok"):
+        row["capture"] = result["capture"]
+        row.setdefault("detail", {})[stage] = {k: result[k] for k in ("counts", "lines", "worst", "notes")
+                                               if k in result}
 
 
 def run_all(specs: list[dict], *, workers: int = 1, timeout: float = 90.0, on_row=None,

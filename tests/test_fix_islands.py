@@ -46,7 +46,13 @@ def test_planted_fault_fixed_and_fp32_unchanged(name):
     out16 = _outputs(fixed, t.args, t.kwargs, autocast=True)
     assert torch.isfinite(out16).all()
     assert _rel(out16, ref) <= 1e-2
-    assert result.report.islands, "a planted fault must get at least one island"
+    if name == "bn_running_var":
+        # Its fault needs a half model (running_var past 65504 in fp16): under autocast the BatchNorm keeps fp32
+        # statistics, so there is nothing to island, and the buffer finding is reported, not rewritten.
+        assert not result.report.islands
+        assert any(f.rule == "AMP303" for f in result.report.before.findings)
+    else:
+        assert result.report.islands, "a planted fault must get at least one island"
 
 
 def test_unfixed_model_really_fails_under_autocast():
@@ -63,16 +69,17 @@ def test_mask_consumers_join_the_constant_island_and_merge():
     result = fix(t.model, *t.args, device="cpu", dtype="float16", verify=False)
     islands = result.report.islands
     assert [c.ops for c in islands] == [["mul", "add", "softmax"]] * 2
-    assert {"AMP401", "AMP201"} <= set(islands[0].rules)
+    # The softmax is there because the mask's -inf reaches it, not for itself: its kernel accumulates in fp32.
+    assert islands[0].rules == ["AMP401"]
     # Two casts per merged island instead of an upcast and a cast back around each of the three ops.
     assert result.report.casts == 4 < result.report.casts_per_op
     assert torch.equal(_outputs(result.module, t.args, {}, False), _outputs(t.model, t.args, {}, False))
 
 
 def test_islands_do_not_merge_across_a_cycle():
-    t = load_target(str(ASSETS / "fix" / "two_softmax.py"))
+    t = load_target(str(ASSETS / "fix" / "two_exp.py"))
     result = fix(t.model, *t.args, device="cpu", dtype="float16", verify=True)
-    assert [c.ops for c in result.report.islands] == [["softmax"], ["softmax"]]
+    assert [c.ops for c in result.report.islands] == [["exp"], ["exp"]]
     # Each island is contiguous in the rewritten graph: enter, casts, ops, exit with nothing foreign between.
     nodes = list(result.gm.graph.nodes)
     for i in range(len(result.report.islands)):
@@ -127,7 +134,7 @@ def test_top_level_names():
 
 
 class _InPlaceAndDropout(torch.nn.Module):
-    """An in-place write and a dropout between two flagged softmaxes: neither may move, no island may span them."""
+    """An in-place write and a dropout between two flagged exps: neither may move, no island may span them."""
 
     def __init__(self):
         super().__init__()
@@ -136,9 +143,9 @@ class _InPlaceAndDropout(torch.nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        s = torch.softmax(h, -1)
+        s = torch.exp(h)
         h.mul_(2.0)
-        t = torch.softmax(h + s, -1)
+        t = torch.exp(h + s)
         return self.drop(t) + h
 
 
@@ -148,7 +155,7 @@ def test_inplace_and_random_ops_are_barriers():
     result = fix(model, x, device="cpu", dtype="float16", verify=False)
     assert len(result.report.islands) == 2
     names = [n.name for n in result.gm.graph.nodes]
-    assert names.index("softmax") < names.index("mul_") < names.index("softmax_1")
+    assert names.index("exp") < names.index("mul_") < names.index("exp_1")
     for autocast in (False, True):
         a, b = _outputs(model, (x,), {}, autocast), _outputs(result.module, (x,), {}, autocast)
         assert torch.isfinite(b).all()

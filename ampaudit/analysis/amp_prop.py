@@ -51,7 +51,7 @@ class AmpInfo:
 
 
 def canonical_op(node: fx.Node, root: torch.nn.Module) -> tuple[str, str | None]:
-    """(canonical op name, module class name) of a node, using rules/ops.toml."""
+    """(canonical op name, module class name) of a node, using rules/policy/ops.toml."""
     names = op_names()
     if node.op == "call_module":
         cls = type(root.get_submodule(node.target)).__name__

@@ -173,30 +173,15 @@ def _mask_path(start: fx.Node) -> list[fx.Node]:
 
 def every_hit(aud, *, select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
               rules_dirs: Sequence = ()) -> list[Finding]:
-    """Node-level findings of the island families on *every* node, not one per module and message.
-
-    The report keeps one finding per (rule, module, message), so a module with two identical softmaxes lists one;
-    a fix must see both. Source-comment suppressions (``# ampaudit: ignore``) are honoured as in the report.
-    """
-    from ampaudit.capture.fx_capture import SOURCE_KEY
-    from ampaudit.rules.engine import suppressed_by_comment
+    """Node-level findings of the island families, from the rule engine (every hit, variants applied,
+    ``# ampaudit: ignore`` honoured as in the report); measured (module-level) rules are left to the report."""
+    from ampaudit.rules.engine import run_rules
     from ampaudit.rules.loader import load_rules, rule_selected
-    from ampaudit.rules.registry import MATCHERS, MatchContext
+    from ampaudit.rules.registry import MatchContext
 
     ctx = MatchContext(gm=aud.capture.gm, root=aud.capture.root, policy=aud.policy)
-    out: list[Finding] = []
-    for rule in load_rules(list(rules_dirs)):
-        if rule.family not in ISLAND_FAMILIES or rule.family in MODULE_FAMILIES or rule.id in NOT_ISLANDED:
-            continue
-        if not rule_selected(rule, list(select or []), list(ignore or [])):
-            continue
-        for hit in MATCHERS[rule.matcher].fn(ctx, rule):
-            if hit.node is None:
-                continue
-            src = hit.node.meta.get(SOURCE_KEY)
-            if src is not None and suppressed_by_comment(src.file, src.line, rule):
-                continue
-            out.append(Finding(rule=rule.id, name=rule.name, family=rule.family,
-                               severity=hit.severity or rule.severity, module=hit.node.meta.get(MODULE_KEY, ""),
-                               op=op_of(hit.node) or "", message="", node=hit.node.name))
-    return out
+    rules = [r for r in load_rules(list(rules_dirs))
+             if r.family in ISLAND_FAMILIES and r.family not in MODULE_FAMILIES and r.id not in NOT_ISLANDED
+             and rule_selected(r, list(select or []), list(ignore or []))]
+    findings, _ = run_rules(ctx, rules)
+    return [f for f in findings if f.node is not None]

@@ -1,6 +1,6 @@
 """Op tables the rewrite passes read: which nodes are cheap enough to join an FP32 island, which consume a mask
 constant, which must never move or be merged across. Plain data, keyed by the canonical op names of
-``rules/ops.toml`` (``node.meta["amp"].op``) or, for in-place and random ops, by the raw target name.
+``rules/policy/ops.toml`` (``node.meta["amp"].op``) or, for in-place and random ops, by the raw target name.
 
     from ampaudit.rewrite.op_sets import CHEAP, MASK_CONSUMERS
 """

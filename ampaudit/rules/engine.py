@@ -3,8 +3,9 @@
     findings, suppressed = run_rules(ctx, rules)
 
 A finding on a source line that carries ``# ampaudit: ignore`` or ``# ampaudit: ignore[AMP201,AMP101]`` is
-suppressed (counted, not reported). Hits of one rule on the same module with the same message (a module called
-twice) are reported once.
+suppressed (counted, not reported). Every hit is a finding (a module called twice has two); the report groups
+repeated ones (``ampaudit.report.groups``). A hit that names a variant of its rule takes that variant's
+severity, message, why and fix; a variant with severity "off" drops the hit.
 """
 from __future__ import annotations
 
@@ -45,14 +46,18 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     op = hit.op or (info.op if info else "")
     fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
               "low": ctx.policy.short(), **hit.details}
+    variant = rule.variant(hit.variant)
+    fix_text = variant.get("fix", rule.fix)
     try:
-        message = rule.message.format(**fields)
-        fix = rule.fix.format(**fields) if rule.fix else None
+        message = variant.get("message", rule.message).format(**fields)
+        fix = fix_text.format(**fields) if fix_text else None
+        why = variant.get("why", rule.why).format(**fields)
     except (KeyError, ValueError, IndexError) as exc:
         raise RuleError(f"{rule.origin}: rule {rule.id}: cannot fill its message: {exc}",
-                        hint="check the {fields} of message and fix") from exc
-    return Finding(rule=rule.id, name=rule.name, family=rule.family, severity=hit.severity or rule.severity,
-                   module=module, op=op, message=message, fix=fix, why=" ".join(rule.why.split()),
+                        hint="check the {fields} of message, why and fix") from exc
+    severity = variant.get("severity") or hit.severity or rule.severity
+    return Finding(rule=rule.id, name=rule.name, family=rule.family, severity=severity,
+                   module=module, op=op, message=message, fix=fix, why=" ".join(why.split()),
                    location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
                    code=src.code if src else "", node=node.name if node is not None else None)
 
@@ -68,15 +73,12 @@ def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]
     """All findings of ``rules`` in graph order, and how many were suppressed by source comments."""
     order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
     collected: list[tuple[int, Finding]] = []
-    seen: set[tuple] = set()
     suppressed = 0
     for rule in rules:
         for hit in MATCHERS[rule.matcher].fn(ctx, rule):
-            f = _finding(ctx, rule, hit)
-            key = (f.rule, f.module, f.message)
-            if key in seen:
+            if rule.variant(hit.variant).get("severity") == "off":
                 continue
-            seen.add(key)
+            f = _finding(ctx, rule, hit)
             loc = f.location or {}
             if suppressed_by_comment(loc.get("file"), loc.get("line"), rule):
                 suppressed += 1

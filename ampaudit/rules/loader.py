@@ -22,9 +22,10 @@ from ampaudit.rules.registry import load_builtin_matchers
 FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "nonfinite", "divergence")
 SEVERITIES = ("info", "warning", "error")
 REQUIRED = {"id": str, "name": str, "family": str, "severity": str, "matcher": str, "message": str, "why": str}
-OPTIONAL = {"fix": str, "references": list, "upcast_severity": str, "ops": list, "check": str, "reduction": bool}
-# Files in rules/ that hold tables, not rules.
-DATA_FILES = {"ops.toml", "settings.toml"}
+OPTIONAL = {"fix": str, "references": list, "upcast_severity": str, "ops": list, "check": str, "reduction": bool,
+            "variants": dict}
+# What a variant (``[rule.variants.NAME]``) may override; severity "off" drops the hit.
+VARIANT_KEYS = {"severity": str, "message": str, "why": str, "fix": str}
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class Rule:
 
     def param(self, key: str, default: Any = None) -> Any:
         return self.params.get(key, default)
+
+    def variant(self, name: str | None) -> dict:
+        """The overrides of variant ``name`` (``{}`` for None or a name the rule does not define)."""
+        return self.params.get("variants", {}).get(name, {}) if name else {}
 
     def as_dict(self) -> dict:
         return {"id": self.id, "name": self.name, "family": self.family, "severity": self.severity,
@@ -77,26 +82,44 @@ def _validate(raw: dict, where: str, matchers: dict) -> Rule:
     if m is None:
         raise RuleError(f"{where}: rule {rid}: key 'matcher' names unknown matcher {raw['matcher']!r}",
                         hint=f"use one of {', '.join(sorted(matchers))}")
-    for key in ("message", "fix"):
-        if key in raw:
-            try:
-                unknown = _placeholders(raw[key]) - m.fields
-            except ValueError as exc:
-                raise RuleError(f"{where}: rule {rid}: key {key!r} is not a valid template: {exc}",
-                                hint="escape braces as {{ and }}") from exc
-            if unknown:
-                raise RuleError(f"{where}: rule {rid}: key {key!r} uses unknown field(s) {sorted(unknown)}",
-                                hint=f"matcher {m.name} provides: {', '.join(sorted(m.fields))}")
+    _check_templates(raw, f"{where}: rule {rid}", m)
+    for name, variant in raw.get("variants", {}).items():
+        at = f"{where}: rule {rid}: variant {name!r}"
+        if not isinstance(variant, dict):
+            raise RuleError(f"{at} must be a table", hint=f"write [rule.variants.{name}] with keys "
+                            + ", ".join(VARIANT_KEYS))
+        for key, value in variant.items():
+            if key not in VARIANT_KEYS or not isinstance(value, VARIANT_KEYS[key]):
+                raise RuleError(f"{at}: key {key!r} is not allowed or not a string",
+                                hint="a variant may set " + ", ".join(VARIANT_KEYS))
+        if variant.get("severity", "info") not in SEVERITIES + ("off",):
+            raise RuleError(f"{at}: key 'severity' is {variant['severity']!r}",
+                            hint=f"use one of {', '.join(SEVERITIES)} or off")
+        _check_templates(variant, at, m)
     params = {k: v for k, v in raw.items() if k not in REQUIRED and k not in ("fix", "references")}
     return Rule(id=raw["id"], name=raw["name"], family=raw["family"], severity=raw["severity"], matcher=raw["matcher"],
                 message=raw["message"], why=raw["why"], fix=raw.get("fix"), references=tuple(raw.get("references", [])),
                 params=params, origin=where)
 
 
+def _check_templates(raw: dict, at: str, m) -> None:
+    for key in ("message", "fix", "why"):
+        if key in raw:
+            try:
+                unknown = _placeholders(raw[key]) - m.fields
+            except ValueError as exc:
+                raise RuleError(f"{at}: key {key!r} is not a valid template: {exc}",
+                                hint="escape braces as {{ and }}") from exc
+            if unknown:
+                raise RuleError(f"{at}: key {key!r} uses unknown field(s) {sorted(unknown)}",
+                                hint=f"matcher {m.name} provides: {', '.join(sorted(m.fields))}")
+
+
 def _rule_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise RuleError(f"rules folder not found: {folder}", hint="pass an existing folder to --rules")
-    return sorted(p for p in folder.glob("*.toml") if p.name not in DATA_FILES)
+    # rules/*.toml holds rules only; the tables the matchers read live in rules/policy/.
+    return sorted(folder.glob("*.toml"))
 
 
 def load_rules(extra_dirs: list[str | Path] = ()) -> list[Rule]:

@@ -32,6 +32,9 @@ class Hit:
     module: str | None = None            # when there is no node (buffers)
     op: str | None = None
     source: SourceLoc | None = None
+    # A named case of the rule (its ``[rule.variants.NAME]`` table): the severity, message, why and fix that
+    # are true for what this hit is (BatchNorm with fp32 parameters is not BatchNorm with half ones).
+    variant: str | None = None
 
 
 @dataclass

@@ -45,7 +45,7 @@ from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
-# Modules whose ops autocast never lowers (rules/ops.toml, [autocast_neutral]; exact types): their local
+# Modules whose ops autocast never lowers (rules/policy/ops.toml, [autocast_neutral]; exact types): their local
 # error is zero by construction, and their local event is written without the re-run.
 AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
     getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])

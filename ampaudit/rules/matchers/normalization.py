@@ -9,6 +9,7 @@ from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.policy import kernel_hazard
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SQUARE_OPS = {"pow", "square", "mul"}
@@ -34,9 +35,13 @@ def handwritten_norm(ctx: MatchContext, rule) -> Iterator[Hit]:
         square = node.args[0]
         sq_in = square.args[0]
         centered = isinstance(sq_in, fx.Node) and sq_in.meta.get(AMP_KEY) is not None and sq_in.meta[AMP_KEY].op == "sub"
-        low = [d for d in (square.meta[AMP_KEY].compute_dtype, info.compute_dtype) if ctx.is_low(d)]
+        sq_dtype = square.meta[AMP_KEY].compute_dtype
+        low = [d for d in (sq_dtype, info.compute_dtype) if ctx.is_low(d)]
         if low:
-            yield Hit(square, {"kind": "variance" if centered else "RMS", "compute_dtype": str(low[0]).replace("torch.", "")})
+            # Squares that overflow are the hazard; the mean itself is accumulated in fp32 by the kernel.
+            overflows = ctx.is_low(sq_dtype) and kernel_hazard("pow", sq_dtype) == "range"
+            yield Hit(square, {"kind": "variance" if centered else "RMS", "compute_dtype": str(low[0]).replace("torch.", "")},
+                      variant=None if overflows else "accumulates")
 
 
 @matcher("norm_buffers", fields={"buffer", "value", "dtype", "max"})

@@ -1,8 +1,10 @@
 """Precision-sensitive ops (softmax, exp/log/pow, reductions, norms, losses) that would compute in reduced precision.
 
-Severity follows the policy: an op the target's autocast leaves in fp16/bf16 gets the rule's severity (raised to
-error for a growing reduction over many terms); an op autocast upcasts to fp32 gets ``upcast_severity`` (info: it is
-safe, at the cost of a cast), or nothing when that is "off".
+Severity follows the policy and the kernel: an op the target's autocast leaves in fp16/bf16 gets the rule's
+severity when its result can really overflow or lose its input's precision there, and the rule's ``accumulates``
+variant (info) when the kernel accumulates in fp32 and only the stored result is low (rules/policy/kernels.toml);
+an op autocast upcasts to fp32 gets ``upcast_severity`` (info: safe, at the cost of a cast), or nothing when that
+is "off".
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.policy import settings
+from ampaudit.policy import kernel_hazard, kernels
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note"}
@@ -76,11 +78,12 @@ def _overflow_note(ctx: MatchContext, node: fx.Node) -> str:
 
 @matcher("reduced_precision_op", fields=FIELDS)
 def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
+    """Listed ops whose arithmetic the target leaves in fp16/bf16, named by what the kernel then really risks
+    (rules/policy/kernels.toml): the rule's own severity for a range or conditioning hazard, its variants
+    ``accumulates`` (the kernel accumulates in fp32; only the stored result is low), ``half_params`` (a norm
+    whose parameters and statistics are themselves half) and ``upcast`` (autocast runs it in fp32)."""
     ops = set(rule.param("ops", []))
     upcast_sev = rule.param("upcast_severity", "info")
-    cfg = settings()
-    growing, error_depth = set(cfg["growing"]["ops"]), int(cfg["reduction"]["error_depth"])
-    bounded = set(cfg["reduction"].get("bounded", []))
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
         if info.op not in ops:
@@ -90,17 +93,28 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
         details = {"compute_dtype": _short(info.compute_dtype), "depth": depth if depth is not None else "?",
                    "overflow_note": _overflow_note(ctx, node), "policy_note": ""}
         if ctx.is_low(info.compute_dtype):
-            sev = rule.severity
-            if info.op in growing and depth is not None and depth >= error_depth:
-                sev = "error"
-            elif info.op in bounded:
-                sev = "info"
             if info.category is None and ctx.policy.device == "cpu" and ctx.policy.table and _upcast_on_cuda(info.op):
                 details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
-            yield Hit(node, details, severity=sev)
+            yield Hit(node, details, variant=_variant(ctx, node, info))
         elif info.category in ("fp32", "fp32_output") and low_inputs and upcast_sev != "off":
             details["policy_note"] = f" ({ctx.policy.device.upper()} autocast upcasts it from {_short(ctx.policy.low)}: safe, one cast)"
-            yield Hit(node, details, severity=upcast_sev)
+            yield Hit(node, details, severity=upcast_sev, variant="upcast")
+
+
+def _variant(ctx: MatchContext, node: fx.Node, info) -> str | None:
+    if info.op in kernels()["half_params"] and _half_params(ctx, node):
+        return "half_params"
+    hazard = kernel_hazard(info.op, info.compute_dtype)
+    return "accumulates" if hazard == "storage" else None
+
+
+def _half_params(ctx: MatchContext, node: fx.Node) -> bool:
+    """True when the module running ``node`` holds its own weights or statistics in a 16-bit float."""
+    owner = ctx.owner(node)
+    if owner is None:
+        return False
+    own = [*owner.parameters(recurse=False), *owner.buffers(recurse=False)]
+    return any(t.is_floating_point() and ctx.is_low(t.dtype) for t in own)
 
 
 def _upcast_on_cuda(op: str) -> bool:

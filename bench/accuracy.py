@@ -1,0 +1,252 @@
+"""Is the verdict right in both directions? False alarms on real models, misses on planted faults.
+
+    python bench/accuracy.py --planted-only                      # every planted model, static and --calibrate
+    .venv-bench/bin/python bench/accuracy.py --workers 2 --json acc.json      # + the 280-model corpus
+    .venv-bench/bin/python bench/accuracy.py --families timm --limit 20 --workers 2   # a smoke run
+
+Corpus (bench/coverage.py's lists: real torchvision, timm and transformers models that train fine under AMP
+every day, random weights, their own example inputs), under the default target (cuda, float16): the
+precision-family findings (sensitive-op, normalization, constant) at warning or above per model, the share of
+models that exit 1 because of them, and the median and worst height of the terminal report at 120 columns.
+With ``--calibrate`` the corpus is also calibrated (real weights, forward and backward), which must complete on
+every model.
+
+Planted (../shared/planted and tests/planted: small models with a known fault and the module that causes it,
+``EXPECT`` in each file): the share located to the right module at warning or above, statically and with
+``--calibrate``, split by the phase the fault is in (forward, backward).
+
+Targets (issue "Diagnosis you can trust"): models exiting 1 for precision families <= 5%; every planted fault
+located; no report over 80 lines.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+PRECISION = ("sensitive-op", "normalization", "constant")
+RANK = {"info": 0, "warning": 1, "error": 2}
+PLANTED_DIRS = (ROOT.parent / "shared" / "planted", ROOT / "tests" / "planted")
+
+
+# -- corpus ------------------------------------------------------------------------------------------------------
+
+def precision_alarms(detail: dict) -> int:
+    """Precision-family findings at warning or above in one verdict (see coverage_runner.verdict)."""
+    total = 0
+    for key, n in detail["counts"].items():
+        _rule, family, severity = key.split("|")
+        if family in PRECISION and RANK[severity] >= RANK["warning"]:
+            total += n
+    return total
+
+
+def corpus_summary(rows: list[dict], stage: str) -> dict:
+    done = [r for r in rows if r.get("eager") and (r.get("detail") or {}).get(stage)]
+    alarms = {f"{r['family']}/{r['model']}": precision_alarms(r["detail"][stage]) for r in done}
+    lines = sorted(r["detail"][stage]["lines"] for r in done)
+    by_rule: dict[str, int] = {}
+    for r in done:
+        for key, n in r["detail"][stage]["counts"].items():
+            rule, family, severity = key.split("|")
+            if family in PRECISION and RANK[severity] >= RANK["warning"]:
+                by_rule[f"{rule} {severity}"] = by_rule.get(f"{rule} {severity}", 0) + n
+    eager = [r for r in rows if r.get("eager")]
+    failed = [f"{r['family']}/{r['model']}: {r['errors'].get(stage, 'not run')}" for r in eager
+              if not (r.get("detail") or {}).get(stage)]
+    worst = max(done, key=lambda r: r["detail"][stage]["lines"]) if done else None
+    return {
+        "models": len(eager), "completed": len(done), "failed": failed,
+        "precision_alarms": sum(alarms.values()),
+        "models_exit1_precision": sum(1 for v in alarms.values() if v),
+        "share_exit1_precision": (sum(1 for v in alarms.values() if v) / len(done)) if done else None,
+        "models_exit1_any": sum(1 for r in done if RANK.get(r["detail"][stage]["worst"] or "info", 0) >= 1
+                                and r["detail"][stage]["worst"] is not None),
+        "by_rule": dict(sorted(by_rule.items(), key=lambda kv: -kv[1])),
+        "worst_alarms": sorted(((v, k) for k, v in alarms.items() if v), reverse=True)[:10],
+        "median_lines": statistics.median(lines) if lines else None,
+        "max_lines": lines[-1] if lines else None,
+        "max_lines_model": f"{worst['family']}/{worst['model']}" if worst else None,
+        "over_80_lines": sum(1 for n in lines if n > 80),
+    }
+
+
+def run_corpus(args) -> dict:
+    from coverage import select
+    from coverage_runner import run_all
+
+    specs = select(args)
+    stages = ("eager", "audit") + (("calibrate",) if args.calibrate else ())
+    done = []
+
+    def on_row(row):
+        done.append(row)
+        if not args.quiet:
+            d = row.get("detail") or {}
+            marks = ", ".join(f"{s}: {precision_alarms(d[s])} alarm(s), {d[s]['lines']} lines" for s in d)
+            err = "; ".join(f"{k}: {v[:100]}" for k, v in row["errors"].items())
+            print(f"[{len(done)}/{len(specs)}] {row['family']}/{row['model']}: {marks or '-'}"
+                  + (f"  ({err})" if err else ""), flush=True)
+
+    rows = run_all(specs, workers=args.workers, timeout=args.timeout, on_row=on_row, stages=stages)
+    out = {"rows": rows, "audit": corpus_summary(rows, "audit")}
+    if args.calibrate:
+        out["calibrate"] = corpus_summary(rows, "calibrate")
+    return out
+
+
+# -- planted -----------------------------------------------------------------------------------------------------
+
+def planted_files() -> list[Path]:
+    seen, files = set(), []
+    for folder in PLANTED_DIRS:
+        for path in sorted(folder.glob("*.py")) if folder.is_dir() else []:
+            if path.name not in seen and not path.name.startswith("_"):
+                seen.add(path.name)
+                files.append(path)
+    return files
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"planted_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def located(report, culprit: str, families) -> bool:
+    """A warning or error names the culprit (or a module inside it) in one of the expected families."""
+    for f in report.findings:
+        if RANK[f.severity] < RANK["warning"] or (families and f.family not in families):
+            continue
+        if f.module == culprit or f.module.startswith(culprit + "."):
+            return True
+    return False
+
+
+def run_planted() -> list[dict]:
+    import ampaudit
+
+    rows = []
+    for path in planted_files():
+        mod = _load(path)
+        expect = getattr(mod, "EXPECT", {})
+        culprit = expect.get("culprit")
+        if culprit is None:
+            continue  # speed-only or training-only models have no module to locate
+        target = expect.get("target", {"device": "cpu", "dtype": "float16"})
+        model = mod.build_model()
+        inputs = mod.example_inputs()
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+        row = {"model": path.stem, "culprit": culprit, "phase": expect.get("phase", "forward"),
+               "target": f"{target['device']} {target['dtype']}", "static": False, "calibrate": False}
+        statics = expect.get("static_families", expect.get("families"))
+        try:
+            if getattr(mod, "opt_level", None) == "O2" or expect.get("half_model"):
+                model = model.half() if expect.get("half_model") else model
+            rep = ampaudit.check(model, *args, **target, **kwargs)
+            row["static"] = located(rep, culprit, statics)
+            loss_fn = getattr(mod, "loss_fn", None)
+            rep = ampaudit.check(model, *args, **target, calibrate=True, **kwargs)
+            row["calibrate"] = located(rep, culprit, None)
+        except Exception as exc:  # noqa: BLE001 - a crash is a miss, reported with its reason
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+    return rows
+
+
+def planted_summary(rows: list[dict]) -> dict:
+    out = {}
+    for phase in ("forward", "backward", "all"):
+        group = [r for r in rows if phase == "all" or r["phase"] == phase]
+        if group:
+            out[phase] = {"models": len(group), "static": sum(r["static"] for r in group),
+                          "calibrate": sum(r["calibrate"] for r in group),
+                          "missed_static": [r["model"] for r in group if not r["static"]],
+                          "missed_calibrate": [r["model"] for r in group if not r["calibrate"]]}
+    return out
+
+
+# -- main --------------------------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    from coverage import FAMILIES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--planted-only", action="store_true", help="skip the corpus (no bench extra needed)")
+    p.add_argument("--corpus-only", action="store_true", help="skip the planted models")
+    p.add_argument("--calibrate", action="store_true", help="also calibrate every corpus model")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--models", default=None)
+    p.add_argument("--timm-count", type=int, default=160)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    return args
+
+
+def _print_corpus(name: str, s: dict) -> None:
+    print(f"\ncorpus ({name}), cuda float16: {s['completed']}/{s['models']} completed")
+    share = s["share_exit1_precision"]
+    print(f"  precision-family warnings+errors: {s['precision_alarms']} "
+          f"({s['precision_alarms'] / max(1, s['completed']):.2f} per model)")
+    print(f"  models exiting 1 for precision families: {s['models_exit1_precision']}"
+          + (f" ({share:.1%}; target <= 5%)" if share is not None else ""))
+    print(f"  models exiting 1 for any family: {s['models_exit1_any']}")
+    print(f"  report lines at 120 columns: median {s['median_lines']}, worst {s['max_lines']} "
+          f"({s['max_lines_model']}); over 80: {s['over_80_lines']}")
+    if s["by_rule"]:
+        print("  by rule: " + ", ".join(f"{k} {v}" for k, v in s["by_rule"].items()))
+    for n, model in s["worst_alarms"]:
+        print(f"    {n:5d}  {model}")
+    for line in s["failed"]:
+        print(f"  incomplete: {line}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    payload: dict = {"argv": sys.argv[1:]}
+    ok = True
+    if not args.corpus_only:
+        rows = run_planted()
+        summary = planted_summary(rows)
+        payload["planted"] = {"rows": rows, "summary": summary}
+        print("planted models (located at warning or above, on the culprit module):")
+        for r in rows:
+            print(f"  {r['model']:<28} {r['phase']:<8} {r['target']:<15} static {'yes' if r['static'] else 'NO ':<4}"
+                  f" calibrate {'yes' if r['calibrate'] else 'NO'}" + (f"  ({r['error']})" if r.get("error") else ""))
+        for phase, s in summary.items():
+            print(f"  {phase}: static {s['static']}/{s['models']}, calibrate {s['calibrate']}/{s['models']}")
+        ok = ok and summary.get("all", {}).get("calibrate") == summary.get("all", {}).get("models")
+    if not args.planted_only:
+        corpus = run_corpus(args)
+        payload["corpus"] = corpus
+        _print_corpus("static audit", corpus["audit"])
+        if "calibrate" in corpus:
+            _print_corpus("check --calibrate", corpus["calibrate"])
+    print(f"\n{time.perf_counter() - start:.0f} s")
+    if args.json:
+        from coverage import write_json
+
+        write_json(args.json, payload)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
