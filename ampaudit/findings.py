@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-REPORT_VERSION = "1.0"
+REPORT_VERSION = "1.1"   # 1.1: each finding has "group"
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
 
 
@@ -81,5 +81,9 @@ class Report:
                 "suppressed": self.suppressed, "nodes": self.nodes}
 
     def to_dict(self) -> dict:
+        from ampaudit.report.groups import group_ids
+
+        # Every finding, each with the id of its group (the rows of the terminal table).
+        findings = [{**f.as_dict(), "group": g} for f, g in zip(self.findings, group_ids(self.findings))]
         return {"version": REPORT_VERSION, "target": self.target, "capture": self.capture, "policy": self.policy,
-                "findings": [f.as_dict() for f in self.findings], "summary": self.summary(), "notes": self.notes}
+                "findings": findings, "summary": self.summary(), "notes": self.notes}

@@ -1,4 +1,5 @@
-"""Rich console rendering of a check report: findings grouped by module, worst first within each module.
+"""Rich console rendering of a check report: one row per group of repeated findings (``report.groups``), worst
+first, then in execution order.
 
     render_report(report, console)
 """
@@ -9,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampaudit.findings import SEVERITY_RANK, Report
+from ampaudit.report.groups import group_findings
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -19,24 +21,32 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
                                 (f"[{pol['device']} {pol['dtype']} autocast, captured by {report.capture}]", "dim")))
     if not report.findings:
         console.print(Text("No findings: the model is clean for this target.", style="green"))
-    groups: dict[str, list] = {}
-    for f in report.findings:
-        groups.setdefault(f.module, []).append(f)
-    for module, items in groups.items():
-        table = Table(title=Text(module or "<top module>", style="bold"), title_justify="left", show_lines=False,
-                      expand=True, box=None, padding=(0, 1))
+    groups = group_findings(report.findings)
+    if groups:
+        table = Table(show_lines=False, expand=True, box=None, padding=(0, 1))
         table.add_column("sev", no_wrap=True)
         table.add_column("rule", no_wrap=True)
         table.add_column("where", no_wrap=True)
         table.add_column("finding", ratio=1)
-        for f in sorted(items, key=lambda f: -SEVERITY_RANK[f.severity]):
-            where = f"{_short(f.location['file'])}:{f.location['line']}" if f.location else "-"
-            body = Text(f.message)
-            if f.fix:
-                body.append(f"\nfix: {f.fix}", style="dim")
-            if show_why and f.why:
-                body.append(f"\nwhy: {f.why}", style="dim italic")
-            table.add_row(Text(f.severity, style=_STYLE[f.severity]), f.rule, where, body)
+        order = {id(g): i for i, g in enumerate(groups)}
+        for g in sorted(groups, key=lambda g: (-SEVERITY_RANK[g.severity], order[id(g)])):
+            first = g.findings[0]
+            locs = g.locations
+            where = f"{_short(locs[0]['file'])}:{locs[0]['line']}" if locs else "-"
+            if len(locs) > 1:
+                where += f" +{len(locs) - 1}"
+            body = Text(g.message)
+            modules = g.modules
+            if len(modules) > 1 or g.count > 1:
+                body.append(f"\n{g.count}x in {g.pattern}" + (f" ({len(modules)} modules)" if len(modules) > 1 else ""),
+                            style="dim")
+            else:
+                body.append(f"\nin {first.module or '<top module>'}", style="dim")
+            if first.fix:
+                body.append(f"\nfix: {first.fix}", style="dim")
+            if show_why and first.why:
+                body.append(f"\nwhy: {first.why}", style="dim italic")
+            table.add_row(Text(g.severity, style=_STYLE[g.severity]), g.rule, where, body)
         console.print(table)
     s = report.summary()
     parts = [f"{n} {sev}" for sev, n in reversed(s["by_severity"].items()) if n]

@@ -1,0 +1,67 @@
+"""Repeated findings are one row in the terminal, each finding keeps its group id in JSON."""
+from __future__ import annotations
+
+import io
+import json
+
+import torch
+from rich.console import Console
+from torch import nn
+
+import ampaudit
+from ampaudit.report.console import render_report
+from ampaudit.report.groups import group_findings, group_ids, module_pattern
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class Deep(nn.Module):
+    """Twelve identical blocks in three stages: one BatchNorm finding per block, one row in the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.Sequential(*[Block() for _ in range(4)]) for _ in range(3))
+
+    def forward(self, x):
+        for s in self.stages:
+            x = s(x)
+        return x
+
+
+def test_module_pattern_globs_what_differs():
+    assert module_pattern(["layer1.0.bn1", "layer2.1.bn2"]) == "layer*.*.bn*"
+    assert module_pattern(["blocks.0.attn", "blocks.11.attn"]) == "blocks.*.attn"
+    assert module_pattern(["bn1", "layer1.0.bn1", "layer1.1.bn1"]) == "bn1, layer1.*.bn1"
+    assert module_pattern([""]) == "<top>"
+    assert module_pattern(["a"]) == "a"
+
+
+def test_one_row_per_group_and_every_finding_in_json():
+    report = ampaudit.check(Deep(), torch.randn(2, 8, 8, 8), device="cuda")
+    bn = [f for f in report.findings if f.rule == "AMP301"]
+    assert len(bn) == 12 and {f.severity for f in bn} == {"info"}
+    groups = [g for g in group_findings(report.findings) if g.rule == "AMP301"]
+    assert len(groups) == 1 and groups[0].count == 12 and groups[0].pattern == "stages.*.*.bn"
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    render_report(report, console)
+    text = console.file.getvalue()
+    assert text.count("AMP301") == 1 and "12x in stages.*.*.bn (12 modules)" in text
+    data = report.to_dict()
+    assert len(data["findings"]) == len(report.findings)
+    ids = [f["group"] for f in data["findings"] if f["rule"] == "AMP301"]
+    assert len(set(ids)) == 1
+    assert json.loads(json.dumps(data))["version"] == "1.1"
+
+
+def test_group_ids_number_groups_in_first_occurrence_order():
+    report = ampaudit.check(Deep(), torch.randn(2, 8, 8, 8), device="cuda")
+    ids = group_ids(report.findings)
+    assert ids[0] == 0 and sorted(set(ids)) == list(range(len(group_findings(report.findings))))
