@@ -215,3 +215,23 @@ def test_untraceable_model_falls_back_and_fx_only_names_the_line():
     assert r.exit_code == 2 and "untraceable.py:11" in r.output
     r = run("check", path, "--capture", "bogus")
     assert r.exit_code == 2 and "unknown capture mode" in r.output
+
+
+def test_numpy_is_declared():
+    # torch's CPU wheel does not need numpy, yet warns "Failed to initialize NumPy" at import without it: a fresh
+    # `pip install ampaudit` must bring numpy along, or every command starts with that warning.
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"numpy\b", d) for d in deps), deps
+
+
+def test_cli_prints_no_warning(clean, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-W", "default", "-m", "ampaudit", "check", str(clean)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr and not r.stderr.strip(), r.stderr
