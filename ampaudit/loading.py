@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import InputError, ModelLoadError
 
@@ -171,22 +172,41 @@ def parse_input_spec(spec: str, device: torch.device | str = "cpu") -> torch.Ten
         raise InputError(f"unknown dtype {dtype_name!r} in --input {spec!r}",
                          hint=f"use one of {', '.join(sorted(_DTYPES))}")
     dtype = _DTYPES[dtype_name]
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        if dtype.is_floating_point:
+            return torch.randn(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except RuntimeError as exc:  # a shape too large to allocate
+        raise InputError(f"cannot make a tensor for --input {spec!r}: {_describe(exc)}",
+                         hint="pass a smaller shape; the batch size need not be the training one") from exc
+
+
+_EXPECTED_INPUTS = "expected a tuple of tensors, a tensor, or a dict of keyword arguments"
 
 
 def _normalize_inputs(value: Any, display: str) -> tuple[tuple, dict]:
+    if not isinstance(value, (torch.Tensor, tuple, list, dict)):
+        kind = "None" if value is None else type(value).__name__
+        raise InputError(f"example_inputs() in {display} returned {kind}; {_EXPECTED_INPUTS}",
+                         hint="return e.g. (torch.randn(8, 64),) from example_inputs(), or pass --input 8x64")
     if isinstance(value, dict):
-        return (), dict(value)
-    if isinstance(value, list):
-        value = tuple(value)
-    if not isinstance(value, tuple):
-        value = (value,)
-    # A (args, kwargs) pair is accepted as well: it is how forward with keyword arguments is usually written down.
-    if len(value) == 2 and isinstance(value[0], (tuple, list)) and isinstance(value[1], dict):
-        return tuple(value[0]), dict(value[1])
-    return value, {}
+        args, kwargs = (), dict(value)
+    else:
+        if not isinstance(value, tuple):
+            value = tuple(value) if isinstance(value, list) else (value,)
+        # A (args, kwargs) pair is accepted as well: it is how forward with keyword arguments is usually written down.
+        if len(value) == 2 and isinstance(value[0], (tuple, list)) and isinstance(value[1], dict):
+            args, kwargs = tuple(value[0]), dict(value[1])
+        else:
+            args, kwargs = value, {}
+    # Non-tensor arguments (a flag, None for an optional mask) are fine beside tensors, but not instead of them.
+    leaves = tree_flatten((args, kwargs))[0]
+    if not any(isinstance(v, torch.Tensor) for v in leaves):
+        kinds = ", ".join(sorted({"None" if v is None else type(v).__name__ for v in leaves}))
+        what = f"only {kinds}" if leaves else "it is empty"
+        raise InputError(f"example_inputs() in {display} holds no tensors ({what}); {_EXPECTED_INPUTS}",
+                         hint="return e.g. (torch.randn(8, 64),) from example_inputs(), or pass --input 8x64")
+    return args, kwargs
 
 
 def _example_inputs(ns: dict, inputs: list[str] | None, display: str, path: Path | None) -> tuple[tuple, dict]:

@@ -180,10 +180,21 @@ def test_bad_inputs_one_line_exit_2(name, words):
     (["--format", "xml"], "unknown --format"),
     (["--fail-on", "bad"], "unknown --fail-on"),
     (["--input", "8xx"], "cannot read --input"),
+    (["--input", "8xabc"], "cannot read --input '8xabc'"),
+    (["--input", "8x3:float99"], "unknown dtype 'float99'"),
 ])
 def test_bad_options(clean, args, words):
     r = run("check", str(clean), *args)
     assert r.exit_code == 2 and words in r.output
+
+
+def test_example_inputs_of_the_wrong_kind_exit_2(tmp_path):
+    p = tmp_path / "net.py"
+    p.write_text(CLEAN.replace("return (torch.randn(8, 64),)", 'return "hello"'))
+    r = run("check", str(p))
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert "example_inputs() in net.py returned str; expected a tuple of tensors" in lines[0]
 
 
 def test_rules_list_and_explain():

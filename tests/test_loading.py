@@ -97,3 +97,34 @@ def test_loads_every_planted_model():
     for path in sorted(PLANTED.glob("*.py")):
         loaded = load_target(str(path))
         assert isinstance(loaded.model, torch.nn.Module), path.name
+
+
+@pytest.mark.parametrize("body, words", [
+    ('"hello"', "returned str; expected a tuple of tensors, a tensor, or a dict of keyword arguments"),
+    ("None", "returned None; expected a tuple of tensors"),
+    ("42", "returned int; expected"),
+    ('("a", "b")', "holds no tensors (only str)"),
+    ("()", "holds no tensors (it is empty)"),
+])
+def test_example_inputs_must_hold_tensors(tmp_path, body, words):
+    f = tmp_path / "net.py"
+    f.write_text(f"import torch\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
+                 f"def example_inputs():\n    return {body}\n")
+    with pytest.raises(InputError) as info:
+        load_target(str(f))
+    assert words in info.value.one_line() and "--input" in info.value.one_line()
+
+
+def test_example_inputs_may_mix_tensors_and_flags(tmp_path):
+    f = tmp_path / "net.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def forward(self, x, mask=None, train=False):\n"
+                 "        return x\ndef build_model():\n    return M()\n"
+                 "def example_inputs():\n    return (torch.randn(2, 4), None), {'train': True}\n")
+    loaded = load_target(str(f))
+    assert loaded.args[1] is None and loaded.kwargs == {"train": True}
+
+
+def test_input_spec_too_large_is_an_input_error():
+    with pytest.raises(InputError) as info:
+        parse_input_spec("99999999999x99999999999")
+    assert "cannot make a tensor" in info.value.one_line() and "smaller shape" in info.value.one_line()
