@@ -12,12 +12,15 @@ FP32 backward from the captured upstream gradient), ``events`` (one host read), 
 Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR = 20 log10(|b|/|a-b|)
 (b is the FP32 reference):
 - ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
-- ``local``: the module alone under autocast, fed the shadow's FP32 inputs, against its FP32 output: the
-  error this module adds by itself. Run right after the module's shadow call, with the RNG state its shadow
+- ``local``: the module alone under autocast, fed the shadow's FP32 inputs rounded to the dtypes its inputs
+  had in the real (autocast) run, against its FP32 output: the error this module adds by itself, on the inputs
+  it really receives. (Fed FP32 inputs, a module that computes in bf16 only *because bf16 arrives* would run in
+  fp32 and read 0.) Run right after the module's shadow call, with the RNG state its shadow
   call saw (same dropout masks); skipped for the root (equal to global) and for modules whose inputs were
   modified in place by their own forward. ``local="leaves"`` (what ``watch`` uses) limits it to modules
   without children: one extra forward's worth of work instead of one per nesting level. Modules in
-  ``AUTOCAST_NEUTRAL`` (exact types whose ops autocast never lowers) get their zero result without the re-run.
+  ``AUTOCAST_NEUTRAL`` (exact types whose ops autocast never lowers) that the real run fed fp32 get their zero
+  result without the re-run.
 - ``grad``: per parameter, the real gradient against the FP32 one, obtained by pushing the *same* upstream
   gradient (d loss / d output, captured during the real backward) through the FP32 graph, so the loss
   function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
@@ -100,6 +103,7 @@ class DivergenceProbe:
         self._last_real: tuple | None = None      # (tensor, clone): containers return their child's output
         self._last_ref: tuple | None = None       # (real clone, shadow tensor, sums)
         self._real: dict[str, list[list[torch.Tensor]]] = {}
+        self._in_dtypes: dict[str, list[list[torch.dtype]]] = {}   # per call: dtypes of its floating inputs
         self._calls: dict[str, int] = {}
         self._inputs: dict[str, list[tuple]] = {}
         # (event fields, sums: a device tensor, a row of ``_batch``, or a tuple of plain numbers)
@@ -140,6 +144,10 @@ class DivergenceProbe:
         name = self.names.get(mod)
         if name is None or not self.active:
             return
+        if self._local_mods and mod in self._local_mods:
+            self._in_dtypes.setdefault(name, []).append(
+                [a.dtype for a in args if a.is_floating_point()] if all(type(a) is torch.Tensor for a in args)
+                else [t.dtype for t in float_tensors(args)])
         # Copied: the caller may modify the output in place later (``out += identity``). Only the elements
         # the metrics read are copied (``_sample``: at most METRIC_SAMPLE), with the shape they came from.
         clones = []
@@ -180,7 +188,7 @@ class DivergenceProbe:
             self._real.clear()
             return
         if self._run_local_now:
-            for mod in self._local_mods - self._neutral:      # their inputs are kept for the re-run
+            for mod in self._local_mods:      # their inputs are kept for the re-run
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
@@ -203,7 +211,9 @@ class DivergenceProbe:
         self._shadow_out = [t for t in float_tensors(out) if t.requires_grad] if grad else []
 
     def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._in_local or mod not in self._local_mods or mod in self._neutral:
+        if self._in_local or mod not in self._local_mods:
+            return
+        if mod in self._neutral and not self._low_fed(self.names[mod], self._calls.get(self.names[mod], 0)):
             return
         flat = float_tensors((args, kwargs))
         state = torch.get_rng_state()
@@ -240,7 +250,7 @@ class DivergenceProbe:
             self._range.append((name, torch.stack(counts).sum(0), amax))
         if not self._run_local_now:
             return
-        if mod in self._neutral and refs:
+        if mod in self._neutral and refs and not self._low_fed(name, call):
             self._pending.append(({**tag, "scope": "local"}, _ZERO_ERROR))
             return
         stack = self._inputs.get(name)
@@ -248,7 +258,14 @@ class DivergenceProbe:
             a, k, versions, state, cuda_state = stack.pop()
             flat = float_tensors((a, k))
             if [t._version for t in flat] == versions:
+                dtypes = self._in_dtypes.get(name, [])
+                a = _rounded(a, dtypes[call]) if call < len(dtypes) else a
                 self._run_local(mod, a, k, state, cuda_state, refs, tag)
+
+    def _low_fed(self, name: str, call: int) -> bool:
+        # A neutral module fed fp32 stays fp32 (own error 0 without a re-run); fed fp16/bf16 it computes there.
+        dtypes = self._in_dtypes.get(name, [])
+        return call < len(dtypes) and any(d.itemsize < 4 for d in dtypes[call])
 
     def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
                    cuda_state: dict, refs: list[torch.Tensor], tag: dict) -> None:
@@ -359,13 +376,31 @@ class DivergenceProbe:
         self._reset()                    # keeps ``_range``: ``ranges_by_module`` reads it after close
 
 
+def _rounded(args: tuple, dtypes: list[torch.dtype]) -> tuple:
+    """FP32 ``args`` with each floating tensor rounded to the dtype the real run gave it (in flattening order)."""
+    from torch.utils._pytree import tree_map
+
+    it = iter(dtypes)
+
+    def cast(t):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return t
+        d = next(it, None)
+        return t.to(d) if d is not None and d != t.dtype and d.is_floating_point else t
+
+    if all(type(a) is torch.Tensor for a in args):   # the common case, without pytree
+        return tuple(cast(a) for a in args)
+    return tree_map(cast, args)
+
+
 def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     dtype: torch.dtype = torch.float16, device_type: str = "cpu",
                     local: bool = True) -> list[dict]:
     """One forward under ``torch.autocast(device_type, dtype)`` against an FP32 forward, per module.
 
     Returns one row per module in execution order: ``module``; global ``rel_l2``, ``cosine``, ``max_abs``,
-    ``sqnr_db``; the same prefixed ``local_`` (module alone on FP32 inputs; absent for the root); and from
+    ``sqnr_db``; the same prefixed ``local_`` (module alone on its inputs as the autocast run had them; absent for
+    the root); and from
     the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
     (values above the dtype's max), ``underflow_share`` (share of nonzero values below its smallest normal)
     and ``flush_share`` (share that would round to zero). Buffers and RNG are left as they were.

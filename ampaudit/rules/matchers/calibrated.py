@@ -93,23 +93,54 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
         yield hit
 
 
-@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs"})
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def divergence_thresholds(dtype: torch.dtype) -> tuple[float, float]:
+    """(warning, error) relative-L2 thresholds of a module's own error in ``dtype`` (rules/policy/settings.toml)."""
+    cfg, u = settings()["calibration"], unit_roundoff(dtype)
+    return cfg["divergence_warning_u"] * u, cfg["divergence_error_u"] * u
+
+
+def first_jump(cal, warn: float) -> str | None:
+    """The first module, in execution order, whose accumulated (global) error crosses ``warn``."""
+    for name in cal.order:
+        v = cal.modules[name].get("rel_l2")
+        if name and v is not None and (_bad(v) or v >= warn):
+            return name
+    return None
+
+
+@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs", "units", "rank", "jump"})
 def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
+    """Modules whose own error is beyond what the dtype's rounding explains, worst first: the first is the
+    culprit of a fault that stays finite. ``jump`` notes where the accumulated error first crosses the line."""
     cal = ctx.calibration
     if cal is None:
         return
-    cfg = settings()["calibration"]
+    warn, err = divergence_thresholds(cal.policy.low)
+    u = unit_roundoff(cal.policy.low)
+
+    def own(name: str):
+        row = cal.modules[name]
+        return row.get("local_rel_l2", row.get("rel_l2"))
 
     def over(name: str) -> bool:
-        v = cal.modules[name].get("local_rel_l2", cal.modules[name].get("rel_l2"))
-        return v is not None and (_bad(v) or v >= cfg["divergence_warning"])
+        v = own(name)
+        return v is not None and (_bad(v) or v >= warn)
 
-    for name, row in _range_rows(ctx):
-        if not over(name) or not _own(cal, name, over):
-            continue
-        rel = row.get("local_rel_l2", row.get("rel_l2"))
-        sev = "error" if _bad(rel) or rel >= cfg["divergence_error"] else None
+    flagged = [n for n in cal.order if over(n) and _own(cal, n, over)]
+    flagged.sort(key=lambda n: -(math.inf if _bad(own(n)) else own(n)))
+    jump = first_jump(cal, warn)
+    for rank, name in enumerate(flagged, 1):
+        row, rel = cal.modules[name], own(name)
+        sev = "error" if _bad(rel) or rel >= err else None
+        note = ""
+        if jump is not None and rank == 1:
+            note = f"; the model's accumulated error first crosses {warn:.2g} at {jump or '<top>'}"
         yield Hit(None, {"rel_l2": rel, "cosine": row.get("local_cosine", row.get("cosine", float("nan"))),
                          "sqnr_db": row.get("local_sqnr_db", row.get("sqnr_db", float("nan"))),
-                         "max_abs": row.get("local_max_abs", row.get("max_abs", float("nan")))},
+                         "max_abs": row.get("local_max_abs", row.get("max_abs", float("nan"))),
+                         "units": (math.inf if _bad(rel) else rel / u), "rank": rank, "jump": note},
                   severity=sev, module=name, op="output")
