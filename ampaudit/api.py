@@ -39,21 +39,25 @@ class Audit:
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
-          capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None, **kwargs) -> Report:
+          capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
+          loss_fn=None, **kwargs) -> Report:
     """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target.
 
-    ``calibrate=True`` also runs the model (on ``batches`` of ``(args, kwargs)``, else the example inputs) in
-    FP32 and under the target's autocast, adding measured ``range``, ``nonfinite`` and ``divergence`` findings.
+    ``calibrate=True`` also runs the model (on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``,
+    else the example inputs) in FP32 and under the target's autocast, forward and backward (of
+    ``loss_fn(output, target)`` where a batch has a target, else of the sum of the outputs), adding measured
+    ``range``, ``nonfinite`` and ``divergence`` findings.
     """
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
                  target=target, base_dir=base_dir, capture_mode=capture_mode, calibrate=calibrate,
-                 batches=batches, **kwargs).report
+                 batches=batches, loss_fn=loss_fn, **kwargs).report
 
 
 def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
-          capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None, **kwargs) -> Audit:
+          capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
+          loss_fn=None, **kwargs) -> Audit:
     """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
@@ -70,7 +74,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     _require_tensor_output(cap)
     ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy)
     if calibrate:
-        ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy)
+        ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy, loss_fn)
     findings, suppressed = run_rules(ctx, active)
     if base_dir is not None:
         for f in findings:
@@ -88,13 +92,13 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     return Audit(capture=cap, policy=policy, report=report)
 
 
-def _calibrate(model: nn.Module, batches: list, policy: Policy):
+def _calibrate(model: nn.Module, batches: list, policy: Policy, loss_fn=None):
     from ampaudit.calibrate import calibrate
 
     if any(t.is_meta for t in model.parameters()):
         raise UsageError("--calibrate runs the model, but its weights are on the meta device",
                          hint="build the model with real weights, or drop --calibrate for the static audit")
-    return calibrate(model, batches, policy)
+    return calibrate(model, batches, policy, loss_fn=loss_fn)
 
 
 def _require_tensor_output(cap: Capture) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ampaudit.policy import Policy, op_names
 
@@ -82,24 +82,32 @@ def _merge(into: dict, row: dict) -> None:
             into[key] = value if math.isnan(value) or value < into[key] else into[key]
 
 
-def calibrate(model: nn.Module, batches: Iterable[tuple[tuple, dict]], policy: Policy) -> Calibration:
-    """Measure ``model`` on ``batches`` of (args, kwargs) under ``policy`` (see the module docstring)."""
+def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
+              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Calibration:
+    """Measure ``model`` on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)`` under ``policy``
+    (see the module docstring). The backward runs too: of ``loss_fn(output, target)`` for batches with a
+    target, else of the sum of the floating outputs (computed in fp32)."""
     from ampaudit.runtime.divergence import compare_to_fp32
-    from ampaudit.runtime.locate import locate_nonfinite
+    from ampaudit.runtime.locate import judge_against_fp32, locate_nonfinite
 
     cal = Calibration(policy=policy, batches=0)
     model_was_training = model.training
     model.eval()  # calibration measures; it must not move BatchNorm statistics
     try:
-        for args, kwargs in batches:
+        for batch in batches:
+            args, kwargs = batch[0], batch[1]
+            loss = _loss(loss_fn, batch[2] if len(batch) > 2 else None)
             cal.batches += 1
             with simulation(policy):
-                events = locate_nonfinite(model, args, kwargs, device_type="cpu", dtype=policy.low)
+                events = locate_nonfinite(model, args, kwargs, device_type="cpu", dtype=policy.low, loss=loss)
+            # A precision fault is non-finite under autocast and finite in FP32, whatever dtype the op ran in.
+            events = judge_against_fp32(model, events, tuple(args), dict(kwargs), loss=loss)
             for ev in events:
-                if ev.get("low_precision") is False:    # an FP32 op made it: an FP32 run would have it too
+                if ev.get("fp32_too"):
                     continue
-                key = (ev.get("module"), ev.get("op"), ev.get("source"), ev.get("kind"))
-                if key not in {(e.get("module"), e.get("op"), e.get("source"), e.get("kind")) for e in cal.nonfinite}:
+                key = (ev.get("phase"), ev.get("module"), ev.get("op"), ev.get("source"), ev.get("kind"))
+                if key not in {(e.get("phase"), e.get("module"), e.get("op"), e.get("source"), e.get("kind"))
+                               for e in cal.nonfinite}:
                     cal.nonfinite.append(ev)
             if any(ev.get("kind") == "error" for ev in events):
                 continue  # the forward raises under autocast: nothing to compare
@@ -122,8 +130,21 @@ def calibrate(model: nn.Module, batches: Iterable[tuple[tuple, dict]], policy: P
     return cal
 
 
-def batches_from(loaded: Any, count: int) -> list[tuple[tuple, dict]]:
-    """``count`` batches of inputs from the model file's ``train_data()``, else its example inputs once."""
+def _loss(loss_fn, target) -> Callable[[Any], torch.Tensor]:
+    """What calibration differentiates: the model file's loss on this batch's target, else a sum of outputs."""
+    if loss_fn is not None and target is not None:
+        return lambda out: loss_fn(out, target)
+
+    def total(out):
+        parts = [t.float().sum() for t in tree_flatten(out)[0]
+                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        return torch.stack(parts).sum() if parts else None
+    return total
+
+
+def batches_from(loaded: Any, count: int) -> list[tuple]:
+    """``count`` batches ``(args, kwargs, target)`` from the model file's ``train_data()``, else its example
+    inputs once (no target: calibration's backward then differentiates a sum of the outputs)."""
     from ampaudit.errors import InputError
 
     if count <= 0:
@@ -134,11 +155,12 @@ def batches_from(loaded: Any, count: int) -> list[tuple[tuple, dict]]:
                          hint="define train_data() yielding (inputs, target), or calibrate on example_inputs()")
     out = []
     for item in fn():
-        inputs = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
+        pair = isinstance(item, (tuple, list)) and len(item) == 2
+        inputs, target = (item[0], item[1]) if pair else (item, None)
         if isinstance(inputs, dict):
-            out.append(((), inputs))
+            out.append(((), inputs, target))
         else:
-            out.append((tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}))
+            out.append((tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, target))
         if len(out) >= count:
             break
     return out

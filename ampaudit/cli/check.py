@@ -69,7 +69,8 @@ def check(
         batches = batches_from(loaded, calibrate_batches) if calibrate else None
         report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
                            rules_dirs=rule_dirs, target=target, base_dir=Path.cwd(), capture_mode=capture,
-                           calibrate=calibrate, batches=batches, **loaded.kwargs)
+                           calibrate=calibrate, batches=batches,
+                           loss_fn=loaded.hook("loss_fn") if calibrate else None, **loaded.kwargs)
 
     if fmt == "table":
         if output:

@@ -279,15 +279,17 @@ def capture_rng(tensors: list[torch.Tensor]) -> dict:
 
 def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_type: str = "cpu",
            dtype: torch.dtype = torch.float16, autocast: bool = True, rng_state: dict | None = None,
-           upstream: list[torch.Tensor | None] | None = None, max_events: int = 20) -> list[dict]:
-    """Re-run ``root(*args, **kwargs)`` (and, given ``upstream`` gradients of its floating outputs, its
-    backward into the parameters) under the locator; return origin events in execution order.
+           upstream: list[torch.Tensor | None] | None = None, loss: Callable[[Any], torch.Tensor] | None = None,
+           max_events: int = 20) -> list[dict]:
+    """Re-run ``root(*args, **kwargs)`` (and its backward into the parameters: given ``upstream`` gradients of
+    its floating outputs, or a ``loss(output)`` to differentiate) under the locator; return origin events in
+    execution order.
 
     Nothing is written: parameter ``.grad`` is untouched (``torch.autograd.grad``), buffers and RNG are
     restored. A forward that raises yields a ``kind="error"`` event instead of an exception.
     """
     kwargs = kwargs or {}
-    backward = upstream is not None and any(g is not None for g in upstream)
+    backward = loss is not None or (upstream is not None and any(g is not None for g in upstream))
     known: dict[int, str] = {}
     for t in float_tensors((args, kwargs)):
         known[t.data_ptr()] = "input"
@@ -315,15 +317,41 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
                 locator.events.append(_python_error(exc, tracker.current))
             return locator.events
         if backward:
-            outs = [o for o in float_tensors(out) if o.requires_grad]
-            pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
             params = [p for p in root.parameters() if p.requires_grad]
+            if loss is not None:
+                with torch.enable_grad():
+                    total = loss(out)
+                pairs = [(total, None)] if isinstance(total, torch.Tensor) and total.requires_grad else []
+            else:
+                outs = [o for o in float_tensors(out) if o.requires_grad]
+                pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
             if pairs and params:
                 locator.phase = "backward"
-                with locator:
+                with locator, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs],
                                         allow_unused=True)
     return locator.events
+
+
+def _origin(ev: dict) -> tuple:
+    return (ev.get("phase"), ev.get("module"), ev.get("op"), ev.get("source"), ev.get("cause"))
+
+
+def judge_against_fp32(root: nn.Module, events: list[dict], args: tuple, kwargs: dict | None = None,
+                       **replay_kw: Any) -> list[dict]:
+    """Mark each inf/NaN origin of a low-precision pass with ``fp32_too``: whether an FP32 replay of the same
+    pass (same inputs, RNG and backward) has the same origin. Only ``fp32_too=False`` is a precision fault: an
+    inf FP32 also makes (T5's masked ``log(0)``) is the model's own, whatever dtype the op ran in. Events of
+    a forward that raised are never FP32's. ``replay_kw`` are :func:`replay`'s keywords (not ``autocast``)."""
+    if not any(ev.get("kind") in ("inf", "nan") for ev in events):
+        return events
+    replay_kw.pop("autocast", None)
+    reference = {_origin(e) for e in replay(root, args, kwargs, autocast=False, **replay_kw)
+                 if e.get("kind") in ("inf", "nan")}
+    for ev in events:
+        ev["fp32_too"] = ev.get("kind") in ("inf", "nan") and _origin(ev) in reference
+    return events
 
 
 def _python_error(exc: BaseException, module: str) -> dict:
@@ -338,11 +366,13 @@ def _python_error(exc: BaseException, module: str) -> dict:
 
 
 def locate_nonfinite(model: nn.Module, args: tuple, kwargs: dict | None = None, *, device_type: str = "cpu",
-                     dtype: torch.dtype = torch.float16) -> list[dict]:
-    """Run one forward of ``model`` under ``torch.autocast(device_type, dtype)`` and return its non-finite
-    origins in execution order (each: phase, module, op, source, kind, cause, dtype); ``[]`` when clean.
+                     dtype: torch.dtype = torch.float16, loss: Callable[[Any], torch.Tensor] | None = None,
+                     ) -> list[dict]:
+    """Run one forward of ``model`` under ``torch.autocast(device_type, dtype)`` (and with ``loss``, the
+    backward of ``loss(output)``) and return its non-finite origins in execution order (each: phase, module,
+    op, source, kind, cause, dtype); ``[]`` when clean.
 
     For ``check --calibrate``: a forward that raises under autocast gives a ``kind="error"`` event naming
     the module, op and line (``message`` holds the error). Buffers and RNG are left as they were.
     """
-    return replay(unwrap(model), tuple(args), dict(kwargs or {}), device_type=device_type, dtype=dtype)
+    return replay(unwrap(model), tuple(args), dict(kwargs or {}), device_type=device_type, dtype=dtype, loss=loss)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import AmpAuditError
-from ampaudit.runtime.locate import capture_rng, float_tensors, replay
+from ampaudit.runtime.locate import capture_rng, float_tensors, judge_against_fp32, replay
 from ampaudit.runtime.stats import any_nonfinite, extremes
 
 
@@ -238,20 +238,23 @@ class PassHooks:
 
     def _replay(self, *, proactive: bool = False) -> None:
         """Locate inf/NaN in the pass just ended. ``proactive``: nothing tripped the flag (the first pass,
-        replayed to find an inf that never leaves its module): only infs made by fp16/bf16 ops count there;
-        one an FP32 op makes would appear in an FP32 run too, and the pass ended finite."""
+        replayed to find an inf that never leaves its module): only infs an FP32 replay of the pass does not
+        have count there (one FP32 also makes is the model's own, and the pass ended finite)."""
         args, kwargs, rng, (amp_on, amp_dtype), grad_mode = self._replay_state
         self._replays += 1
         self._replayed_interval = self._interval_start
         upstream = self._upstream if grad_mode and any(g is not None for g in self._upstream) else None
-        found = replay(self.root, args, kwargs, device_type=self.device_type,
-                       dtype=amp_dtype if amp_on else self.dtype, autocast=amp_on, rng_state=rng,
-                       upstream=upstream, max_events=self.max_events)
+        kw = dict(device_type=self.device_type, dtype=amp_dtype if amp_on else self.dtype, rng_state=rng,
+                  upstream=upstream, max_events=self.max_events)
+        found = replay(self.root, args, kwargs, autocast=amp_on, **kw)
+        if amp_on:
+            # Judged against FP32: an inf the same pass also makes in FP32 is the model's own, not precision's.
+            found = judge_against_fp32(self.root, found, args, kwargs, **kw)
         if proactive:
-            found = [ev for ev in found if ev.get("low_precision", True)]
+            found = [ev for ev in found if not ev.get("fp32_too")]
         else:
-            # Infs an FP32 op made (and maybe masked) go after those low precision made: the first names the cause.
-            found.sort(key=lambda ev: ev.get("low_precision") is False)
+            # Infs FP32 has too (and maybe masks) go after those only low precision makes: the first names the cause.
+            found.sort(key=lambda ev: bool(ev.get("fp32_too")))
         for ev in found:
             self._emit("nonfinite", **ev)
         if found and self.raise_on_nonfinite and self._pending_error is None:

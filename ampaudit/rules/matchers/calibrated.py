@@ -40,7 +40,7 @@ def _own(cal, module: str, flagged) -> bool:
     return not any(other != module and other.startswith(prefix) and flagged(other) for other in cal.modules)
 
 
-@matcher("calibrated_nonfinite", fields={"kind", "error", "source"})
+@matcher("calibrated_nonfinite", fields={"kind", "error", "source", "phase"})
 def calibrated_nonfinite(ctx: MatchContext, rule) -> Iterator[Hit]:
     cal = ctx.calibration
     if cal is None:
@@ -51,7 +51,9 @@ def calibrated_nonfinite(ctx: MatchContext, rule) -> Iterator[Hit]:
         if is_error != (want == "error"):
             continue
         op = (ev.get("op") or "").replace("aten.", "") or "forward"
-        yield Hit(None, {"kind": ev.get("kind"), "error": ev.get("message") or "", "source": ev.get("source") or ""},
+        phase = " in the backward pass" if ev.get("phase") == "backward" else ""
+        yield Hit(None, {"kind": ev.get("kind"), "error": ev.get("message") or "", "source": ev.get("source") or "",
+                         "phase": phase},
                   module=ev.get("module") or "", op=op, source=_source(ev.get("source")))
 
 

@@ -1,0 +1,121 @@
+"""check --calibrate judges against FP32: non-finite only under autocast, backward-only faults, and own error on
+the inputs a module really receives (a finite bf16 fault ranked first)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ampaudit
+
+
+class Tiny(nn.Module):
+    """Scales to ~1e-8: fp16 flushes it to 0 (and the next op sees 0), FP32 keeps it."""
+
+    def forward(self, x):
+        return x * 1e-4
+
+
+class LogFp32(nn.Module):
+    """log in fp32 of what arrives: finite in FP32, -inf where fp16 flushed the input upstream."""
+
+    def forward(self, x):
+        return torch.log(x.float().abs() * 1e-4)
+
+
+class FlushThenLog(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.tiny = Tiny()
+        self.log = LogFp32()
+
+    def forward(self, x):
+        return self.log(self.tiny(self.fc(x)))
+
+
+def nonfinite(report):
+    return [f for f in report.findings if f.family == "nonfinite"]
+
+
+def test_an_inf_an_fp32_op_makes_only_under_autocast_is_reported():
+    torch.manual_seed(0)
+    report = ampaudit.check(FlushThenLog(), torch.randn(4, 8), device="cpu", dtype="float16", calibrate=True)
+    found = nonfinite(report)
+    assert found and found[0].module == "log" and "where FP32 stays finite" in found[0].message
+
+
+class MaskedLog(nn.Module):
+    """T5's pattern: log(0) in FP32 as well, masked right after: the model's own inf, not a precision fault."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(8, dtype=torch.float32)
+        big = torch.log(pos)                          # -inf at position 0, in FP32 too
+        big = torch.where(pos > 0, big, torch.zeros_like(big))
+        return self.fc(x) + big
+
+
+def test_an_inf_fp32_also_makes_is_not_a_finding():
+    report = ampaudit.check(MaskedLog(), torch.randn(4, 8), device="cpu", dtype="float16", calibrate=True)
+    assert nonfinite(report) == []
+
+
+class SqrtOfSquares(nn.Module):
+    """sqrt(sum(x**2)) of tiny activations: the sum underflows to 0 in fp16, sqrt(0) = 0 is finite, but its
+    gradient 1 / (2 sqrt(0)) is inf: a backward-only fault."""
+
+    def forward(self, x):
+        return torch.sqrt((x * x).sum(-1, keepdim=True))
+
+
+class BackwardOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = SqrtOfSquares()
+        self.head = nn.Linear(1, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc(x) * 1e-5))
+
+
+def test_a_backward_only_fault_is_located_with_its_phase():
+    torch.manual_seed(0)
+    model, x = BackwardOnly(), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model(x)).all()          # the forward is fine
+    report = ampaudit.check(model, x, device="cpu", dtype="float16", calibrate=True)
+    found = nonfinite(report)
+    assert found, report.findings
+    assert found[0].module == "norm" and "in the backward pass" in found[0].message
+
+
+class OffsetRound(nn.Module):
+    """Adds then removes a large offset: unlisted ops, so in bf16 only because bf16 arrives (8 bits at 300)."""
+
+    def forward(self, x):
+        return (x + 300.0) - 300.0
+
+
+class FiniteBf16Fault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.offset = OffsetRound()
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(self.offset(self.a(x)))
+
+
+def test_a_finite_bf16_fault_is_ranked_first_by_own_error():
+    torch.manual_seed(0)
+    report = ampaudit.check(FiniteBf16Fault(), torch.randn(64, 16), device="cuda", dtype="bfloat16", calibrate=True)
+    div = [f for f in report.findings if f.family == "divergence"]
+    assert div and div[0].module == "offset" and div[0].severity == "error"
+    assert div[0].details["rank"] == 1 and div[0].details["units"] > 100
+    assert "first crosses" in div[0].message and "at offset" in div[0].message
+    assert not [f for f in div if f.module in ("a", "b")]         # GEMMs stay within a few unit roundoffs
