@@ -246,3 +246,14 @@ def test_cli_prints_no_warning(clean, tmp_path):
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "Warning" not in r.stderr and not r.stderr.strip(), r.stderr
+
+
+def test_inputs_that_do_not_fit_the_forward_exit_2(tmp_path):
+    p = tmp_path / "net.py"
+    p.write_text("import torch\nfrom torch import nn\ndef build_model():\n    return nn.Linear(4, 4)\n"
+                 "def example_inputs():\n    return (torch.randn(2, 7),)\n")
+    r = run("check", str(p))
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0].startswith("error: example inputs do not fit the forward: linear")
+    assert "mat1 and mat2 shapes cannot be multiplied (2x7 and 4x4)" in lines[0] and "--input" in lines[0]

@@ -15,11 +15,16 @@ so masks built with ``.to(scores.dtype)`` get the dtype they would really have.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -30,6 +35,13 @@ from ampaudit.policy import Policy, op_names
 AMP_KEY = "amp"
 
 _CAST_TARGETS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+# What a fake or meta kernel raises when it cannot know an op's output (no kernel, data-dependent shapes or values):
+# the shapes after it are unknown, but the inputs may well fit.
+_NO_KERNEL = (NotImplementedError, fake_tensor.DynamicOutputShapeException, fake_tensor.DataDependentOutputException,
+              fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
+# Past this many elements (inputs and the module's weights) an op is not rerun for real to confirm an error.
+_CONFIRM_NUMEL = 1 << 27
 
 
 @dataclass
@@ -114,7 +126,7 @@ class AmpProp(fx.Interpreter):
             return x
 
         fake_args = tree_map(to_fake, bound)
-        with self.fake_mode, torch.no_grad():
+        with self.fake_mode, torch.no_grad(), _quiet_fake_tensor_log():
             self.run(*fake_args)
         return self.module
 
@@ -150,6 +162,8 @@ class AmpProp(fx.Interpreter):
             result = super().run_node(n)
         except Exception as exc:  # an op without a fake kernel: shapes downstream are unknown, dtypes still flow
             result = self._recorded(n)
+            if result is None and n.op != "placeholder" and not isinstance(exc, _NO_KERNEL):
+                self._raise_if_real_kernel_raises(n, op)
             if result is None:
                 info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                 self.unknown.append(n)
@@ -164,6 +178,44 @@ class AmpProp(fx.Interpreter):
         if result is None and info.error:
             raise _Unknown(n)
         return result
+
+    def _raise_if_real_kernel_raises(self, n: fx.Node, op: str) -> None:
+        """Rerun ``n`` for real on zeros of its inputs' shapes; if the real kernel raises too, the inputs do not fit.
+
+        A fake kernel may raise where the real one would not (``.numpy()`` on a fake tensor); only an op whose
+        real kernel rejects those shapes and dtypes is the user's error.
+        """
+        with fake_tensor.unset_fake_temporarily():
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            module = self.module.get_submodule(n.target) if n.op == "call_module" else None
+            numel = sum(t.numel() for t in _tensors((args, kwargs)))
+            numel += sum(p.numel() for p in module.parameters()) if module is not None else 0
+            if numel > _CONFIRM_NUMEL or n.op not in ("call_module", "call_function", "call_method"):
+                return
+
+            def real(v):
+                if not isinstance(v, torch.Tensor):
+                    return v
+                return torch.zeros(v.shape, dtype=v.dtype, device="cpu" if v.device.type == "meta" else v.device)
+
+            args, kwargs = tree_map(real, (args, kwargs))
+            try:
+                if module is not None:
+                    # A copy: a BatchNorm in training mode would update the user's running statistics.
+                    module = copy.deepcopy(module)
+                    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+                        module = module.to_empty(device="cpu")
+                    module(*args, **kwargs)
+                elif n.op == "call_function":
+                    n.target(*args, **kwargs)
+                else:
+                    getattr(args[0], n.target)(*args[1:], **kwargs)
+            except Exception as exc:
+                loc = n.meta.get(SOURCE_KEY)
+                where = f" ({Path(loc.file).name}:{loc.line})" if loc else ""
+                raise InputError(f"example inputs do not fit the forward: {op}{where}: "
+                                 f"{' '.join(str(exc).split())[:240]}",
+                                 hint="fix example_inputs() or --input to match what the model expects") from exc
 
     def _recorded(self, n: fx.Node) -> Any:
         """The output a dispatch capture recorded for ``n`` (meta tensors), as this run's kind of tensor."""
@@ -284,6 +336,18 @@ class AmpProp(fx.Interpreter):
 
 
 _GEMM_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d"}
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    # FakeTensorMode logs a traceback for every kernel that raises; AmpProp reports those itself (or notes them).
+    log = logging.getLogger(fake_tensor.__name__)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 class _Unknown(Exception):
