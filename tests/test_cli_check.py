@@ -257,3 +257,14 @@ def test_inputs_that_do_not_fit_the_forward_exit_2(tmp_path):
     assert r.exit_code == 2 and len(lines) == 1, r.output
     assert lines[0].startswith("error: example inputs do not fit the forward: linear")
     assert "mat1 and mat2 shapes cannot be multiplied (2x7 and 4x4)" in lines[0] and "--input" in lines[0]
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "dispatch"])
+def test_bare_torch_module_findings_point_at_no_caller_frame(tmp_path, capture):
+    # nn.Linear runs no user code: its findings must not be located in whatever called the audit (typer, pytest).
+    p = tmp_path / "net.py"
+    p.write_text("import torch\nfrom torch import nn\ndef build_model():\n    return nn.Linear(30, 64)\n"
+                 "def example_inputs():\n    return (torch.randn(8, 30),)\n")
+    r = run("check", str(p), "-f", "json", "--capture", capture)
+    findings = json.loads(r.output)["findings"]
+    assert findings and all(f["location"] is None for f in findings), findings

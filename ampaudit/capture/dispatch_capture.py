@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, user_frame
+from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, model_code_only, user_frame
 from ampaudit.errors import CaptureError
 
 EXAMPLE_KEY = "ampaudit_example"
@@ -113,7 +113,7 @@ _getitem.__name__ = "getitem"
 
 
 def _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype):
-    with torch.no_grad(), modules, _Recorder(graph, modules, known, consts):
+    with torch.no_grad(), modules, _Recorder(graph, modules, known, consts), model_code_only():
         if autocast_dtype is None or device_type == "meta":
             return model(*args, **kwargs)
         with torch.autocast(device_type, dtype=autocast_dtype):

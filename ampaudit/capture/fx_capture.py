@@ -9,6 +9,8 @@ A model fx cannot trace raises :class:`CaptureError` naming the user's line that
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import linecache
 import os
@@ -57,10 +59,29 @@ def is_user_file(filename: str) -> bool:
     return not resolved.startswith(_SKIP_DIRS)
 
 
+# The frame that started running the model (see model_code_only): frames further out are its caller's (the CLI,
+# typer, pytest, the user's script calling ampaudit.check), not the model's code.
+_OUTERMOST = contextvars.ContextVar("ampaudit_outermost_model_frame", default=None)
+
+
+@contextlib.contextmanager
+def model_code_only():
+    """Within this block, user_frame() looks no further out than the frame that entered it.
+
+    A model made of torch.nn modules alone (a bare ``nn.Linear``) runs no user code at all: its ops then have no
+    source line, rather than the line of whatever called the audit.
+    """
+    token = _OUTERMOST.set(sys._getframe(2))   # 0: this generator, 1: contextmanager.__enter__, 2: the caller
+    try:
+        yield
+    finally:
+        _OUTERMOST.reset(token)
+
+
 def user_frame() -> SourceLoc | None:
     """The innermost frame of the running stack that belongs to the user's code."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    frame, outermost = sys._getframe(1), _OUTERMOST.get()
+    while frame is not None and frame is not outermost:
         filename = frame.f_code.co_filename
         if is_user_file(filename):
             line = frame.f_lineno
@@ -111,7 +132,8 @@ class AuditTracer(fx.Tracer):
         am._exit_autocast = lambda mode: self.create_proxy("call_function", exit_, (mode,), {})
         am.autocast.__enter__, am.autocast.__exit__ = record_enter, record_exit
         try:
-            return super().trace(root, concrete_args)
+            with model_code_only():
+                return super().trace(root, concrete_args)
         finally:
             am._enter_autocast, am._exit_autocast = enter, exit_
             am.autocast.__enter__, am.autocast.__exit__ = cm_enter, cm_exit
