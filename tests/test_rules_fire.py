@@ -43,9 +43,16 @@ X16 = torch.randn(4, 16)
 CASES = [
     # rule, should-fire model+inputs, should-not model+inputs, device, expected severity
     ("AMP101", (nn.Linear(30, 64), torch.randn(4, 30)), (nn.Linear(32, 64), torch.randn(4, 32)), "cuda", "warning"),
-    ("AMP102", (nn.Conv2d(3, 64, 3), torch.randn(2, 3, 8, 8)), (nn.Conv2d(8, 64, 3), torch.randn(2, 8, 8, 8)), "cuda", "warning"),
+    ("AMP102", (nn.Sequential(nn.Conv2d(8, 30, 3), nn.Conv2d(30, 64, 3)), torch.randn(2, 8, 8, 8)),
+     (nn.Sequential(nn.Conv2d(8, 32, 3), nn.Conv2d(32, 64, 3)), torch.randn(2, 8, 8, 8)), "cuda", "warning"),
+    # The image's 3 channels: cuDNN pads them, and they are the data's.
+    ("AMP102", (nn.Conv2d(3, 64, 3), torch.randn(2, 3, 8, 8)), (nn.Conv2d(8, 64, 3), torch.randn(2, 8, 8, 8)), "cuda", "info"),
+    # A lookup is not a GEMM: the GEMMs around it are AMP101's.
     ("AMP103", (nn.Embedding(1001, 64), torch.zeros(2, 5, dtype=torch.long)),
-     (nn.Embedding(1024, 64), torch.zeros(2, 5, dtype=torch.long)), "cuda", "warning"),
+     (nn.Embedding(1024, 64), torch.zeros(2, 5, dtype=torch.long)), "cuda", "info"),
+    # Under 2% of the model's GEMM work: an info.
+    ("AMP101", (nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 10)), torch.randn(4, 512)),
+     (nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 16)), torch.randn(4, 512)), "cuda", "info"),
     ("AMP104", (Fn(lambda s, x: x @ x.transpose(-1, -2)), torch.randn(4, 10, 30)),
      (Fn(lambda s, x: x @ x.transpose(-1, -2)), torch.randn(4, 16, 32)), "cuda", "warning"),
     ("AMP105", (nn.LSTM(16, 50, batch_first=True), torch.randn(2, 5, 16)),

@@ -23,7 +23,7 @@ FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "
 SEVERITIES = ("info", "warning", "error")
 REQUIRED = {"id": str, "name": str, "family": str, "severity": str, "matcher": str, "message": str, "why": str}
 OPTIONAL = {"fix": str, "references": list, "upcast_severity": str, "ops": list, "check": str, "reduction": bool,
-            "variants": dict}
+            "variants": dict, "min_share": float}
 # What a variant (``[rule.variants.NAME]``) may override; severity "off" drops the hit.
 VARIANT_KEYS = {"severity": str, "message": str, "why": str, "fix": str}
 

@@ -12,10 +12,11 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.analysis.gemm_cost import gemm_share
 from ampaudit.policy import round_up
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
-FIELDS = {"kind", "shape", "dim", "value", "multiple", "padded", "gemms"}
+FIELDS = {"kind", "shape", "dim", "value", "multiple", "padded", "gemms", "share"}
 
 _LINEAR_OPS = ("linear", "addmm", "mm", "matmul")
 _LINEAR_GEMMS = {"in_features": "forward K, dgrad M, wgrad M", "out_features": "forward M, dgrad K, wgrad N"}
@@ -25,11 +26,19 @@ def _runs_low(ctx: MatchContext, node: fx.Node) -> bool:
     return ctx.is_low(node.meta[AMP_KEY].compute_dtype)
 
 
-def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]], multiple: int) -> Iterator[Hit]:
+def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]], multiple: int,
+          ctx: MatchContext | None = None, rule=None) -> Iterator[Hit]:
+    """One hit per dim off the multiple. With ``ctx`` and a rule ``min_share``, the hit is the rule's ``small``
+    variant (info) when this GEMM is under that share of the model's GEMM work: cuBLAS and cuDNN still use
+    Tensor Cores for it (padding or a less efficient tile), and what that costs is a share of a small share."""
+    share = gemm_share(ctx.gm, ctx.root, node) if ctx is not None else None
+    small = share is not None and rule is not None and share < float(rule.param("min_share", 0.0))
     for dim, value, gemms in dims:
         if value > 1 and value % multiple:
             yield Hit(node, {"kind": kind, "shape": shape, "dim": dim, "value": value, "multiple": multiple,
-                             "padded": round_up(value, multiple), "gemms": gemms})
+                             "padded": round_up(value, multiple), "gemms": gemms,
+                             "share": f"{share:.1%}" if share is not None else "?"},
+                      variant="small" if small else None)
 
 
 @matcher("linear_dims", fields=FIELDS)
@@ -52,7 +61,7 @@ def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         yield from _hits(node, "Linear", f"{fin}->{fout}",
                          [("in_features", fin, _LINEAR_GEMMS["in_features"]),
-                          ("out_features", fout, _LINEAR_GEMMS["out_features"])], ctx.policy.alignment)
+                          ("out_features", fout, _LINEAR_GEMMS["out_features"])], ctx.policy.alignment, ctx, rule)
 
 
 @matcher("conv_channels", fields=FIELDS)
@@ -76,9 +85,26 @@ def conv_channels(ctx: MatchContext, rule) -> Iterator[Hit]:
         if groups > 1 and groups == cin:
             continue  # depthwise: not a GEMM, alignment does not apply
         k = "x".join(map(str, kernel))
-        yield from _hits(node, kind, f"{cin}->{cout} k{k}",
+        for hit in _hits(node, kind, f"{cin}->{cout} k{k}",
                          [("in_channels", cin // groups, "implicit-GEMM K"),
-                          ("out_channels", cout // groups, "implicit-GEMM M")], ctx.policy.alignment)
+                          ("out_channels", cout // groups, "implicit-GEMM M")], ctx.policy.alignment, ctx, rule):
+            if hit.details["dim"] == "in_channels" and _reads_model_input(node):
+                hit.variant = "image_input"     # 3 RGB channels: what every vision model starts from
+            yield hit
+
+
+def _reads_model_input(node: fx.Node) -> bool:
+    """True when the op's input is a forward argument (through views and casts only): the image itself."""
+    x = node.args[0] if node.args else None
+    for _ in range(4):
+        if not isinstance(x, fx.Node):
+            return False
+        if x.op == "placeholder":
+            return True
+        if x.op not in ("call_method", "call_function") or not x.args:
+            return False
+        x = x.args[0]
+    return False
 
 
 def _shape(value) -> tuple | None:
@@ -107,7 +133,7 @@ def _last2(shape) -> tuple[int, int] | None:
 _MATMUL_OPS = ("matmul", "bmm", "mm", "baddbmm", "addmm", "addbmm", "scaled_dot_product_attention", "einsum")
 
 
-def _einsum_hits(ctx: MatchContext, node: fx.Node) -> Iterator[Hit]:
+def _einsum_hits(ctx: MatchContext, node: fx.Node, rule) -> Iterator[Hit]:
     """einsum("bik,bkj->bij", a, b): K is the contracted index, M and N the free indices of each operand."""
     info = node.meta[AMP_KEY]
     eq = node.args[0] if node.args and isinstance(node.args[0], str) else None
@@ -123,7 +149,8 @@ def _einsum_hits(ctx: MatchContext, node: fx.Node) -> Iterator[Hit]:
     roles = [("K", c) for c in a if c in b and c not in out] + [("M", c) for c in a if c not in b and c in out] \
         + [("N", c) for c in b if c not in a and c in out]
     dims = [(f"{role} ({c})", size[c], role) for role, c in roles]
-    yield from _hits(node, "einsum", f"'{eq}' {tuple(shapes[0])}, {tuple(shapes[1])}", dims, ctx.policy.alignment)
+    yield from _hits(node, "einsum", f"'{eq}' {tuple(shapes[0])}, {tuple(shapes[1])}", dims, ctx.policy.alignment,
+                     ctx, rule)
 
 
 @matcher("matmul_dims", fields=FIELDS)
@@ -133,7 +160,7 @@ def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
         if info.op not in _MATMUL_OPS or not _runs_low(ctx, node) or isinstance(ctx.owner(node), nn.Linear):
             continue  # a Linear's own GEMM is reported once, by linear_dims
         if info.op == "einsum":
-            yield from _einsum_hits(ctx, node)
+            yield from _einsum_hits(ctx, node, rule)
             continue
         shapes = info.input_shapes
         if info.op in ("baddbmm", "addmm", "addbmm"):
@@ -152,7 +179,7 @@ def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             dims = [("M", m_, "M"), ("K", k, "K"), ("N", n_, "N")]
             kind = info.op
         shape = f"{tuple(shapes[0])} @ {tuple(shapes[1])}"
-        yield from _hits(node, kind, shape, dims, ctx.policy.alignment)
+        yield from _hits(node, kind, shape, dims, ctx.policy.alignment, ctx, rule)
 
 
 @matcher("rnn_dims", fields=FIELDS)
@@ -165,7 +192,8 @@ def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         yield from _hits(node, type(m).__name__, f"input {m.input_size}, hidden {m.hidden_size}",
                          [("input_size", m.input_size, "input GEMM K"),
-                          ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], ctx.policy.alignment)
+                          ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], ctx.policy.alignment,
+                         ctx, rule)
 
 
 @matcher("gemm_tokens", fields=FIELDS)
