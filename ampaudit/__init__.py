@@ -2,7 +2,8 @@
 
     import ampaudit
     report = ampaudit.check(model, x, device="cuda", dtype="float16")
-    print(report.to_text())
+    for f in report.findings:
+        print(f.severity, f.rule, f.module, f.location, f.message)
     with ampaudit.watch(model, trace="run.jsonl", every=50) as w:
         ...  # your training loop
 
