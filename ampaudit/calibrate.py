@@ -18,42 +18,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ampaudit.policy import Policy, op_names
-
-
-class PolicyUpcast(TorchFunctionMode):
-    """Run the functions ``ops`` names in fp32 with autocast off, inputs upcast: one device's policy on another."""
-
-    def __init__(self, ops: set[str]):
-        super().__init__()
-        self.ops = ops
-        self.aliases = op_names()["aliases"]
-
-    def _name(self, func) -> str:
-        raw = getattr(func, "__name__", "")
-        raw = self.aliases.get(raw, raw)
-        return self.aliases.get(raw.strip("_"), raw.strip("_"))
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self._name(func) not in self.ops:
-            return func(*args, **kwargs)
-        up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-        with torch.autocast("cpu", enabled=False):
-            return func(*tree_map(up, args), **tree_map(up, kwargs))
-
-
-def simulation(policy: Policy) -> contextlib.AbstractContextManager:
-    """What to run a CPU-autocast forward inside so its numerics follow ``policy`` (a no-op for a CPU target)."""
-    if policy.device == "cpu":
-        return contextlib.nullcontext()
-    cpu = Policy.load("cpu", policy.dtype_name)
-    ops = {op for op, cat in policy.table.items() if cat in ("fp32", "fp32_output")
-           and cpu.category(op) not in ("fp32", "fp32_output")}
-    return PolicyUpcast(ops)
+from ampaudit.simulate import PolicyUpcast, simulation  # noqa: F401  (calibrate's public names)
 
 
 @dataclass

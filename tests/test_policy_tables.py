@@ -124,3 +124,90 @@ def test_cuda_table_matches_real_cuda_autocast(op):
         with torch.autocast("cuda", dtype=torch.float16):
             got = OPS[op](x).dtype
         assert got == expected(policy, op, input_dtype), f"{op} from {input_dtype}: autocast gave {got}"
+
+
+# -- the tables against PyTorch's own autocast test lists and autocast's registrations ---------------------------
+
+# list name -> the categories its ops must have in the device's table (None: unlisted, torch's promotion)
+LIST_CATEGORIES = {
+    "cuda": {"torch_fp16": ("lower",), "nn_fp16": ("lower",), "linalg_fp16": ("lower",), "methods_fp16": ("lower",),
+             "torch_fp32": ("fp32", "fp32_output"), "nn_fp32": ("fp32", "fp32_output"),
+             "methods_fp32": ("fp32", "fp32_output"), "torch_need_autocast_promote": ("promote",),
+             "banned": ("banned",), "torch_expect_builtin_promote": (None,),
+             "methods_expect_builtin_promote": (None,)},
+    "cpu": {"torch_16": ("lower",), "nn_16": ("lower",), "torch_fp32": ("fp32",), "nn_fp32": ("fp32",),
+            "torch_need_autocast_promote": ("promote",), "torch_expect_builtin_promote": (None,),
+            "methods_expect_builtin_promote": (None,)},
+}
+# PyTorch registers some ops per overload; the tables name whole ops.
+OVERLOAD_ONLY = {("cpu", "_convolution"): "CPU autocast lowers only _convolution.deprecated; the current overload "
+                                          "runs in its inputs' dtype"}
+
+
+def _table_category(policy: Policy, op: str) -> str | None:
+    from ampaudit.policy import op_names
+
+    return policy.category(op_names()["aliases"].get(op, op))
+
+
+def _list_entries():
+    from _autocast_lists import autocast_lists
+
+    for device, lists in zip(("cuda", "cpu"), autocast_lists()):
+        for name in LIST_CATEGORIES[device]:
+            for entry in getattr(lists, name):
+                yield pytest.param(device, name, entry[0], id=f"{device}-{name}-{entry[0]}")
+
+
+@pytest.mark.parametrize("device,name,op", sorted(set(_list_entries()), key=lambda p: p.id))
+def test_tables_agree_with_pytorch_autocast_test_lists(device, name, op):
+    got = _table_category(Policy.load(device, "float16"), op)
+    assert got in LIST_CATEGORIES[device][name], f"{device}.toml gives {op} {got}; PyTorch's {name} list says otherwise"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_tables_name_every_op_autocast_registers(device):
+    """Each aten op torch registers on Autocast<device> is in that device's table (the CUDA simulation and the
+    static audit read the category from there)."""
+    from ampaudit.simulate import autocast_ops, packet
+
+    policy = Policy.load(device, "float16")
+    ops = {packet(q) for q in autocast_ops("Autocast" + device.upper())}
+    missing = sorted(op for op in ops if _table_category(policy, op) is None and (device, op) not in OVERLOAD_ONLY)
+    assert not missing, f"add to rules/policy/{device}.toml: {missing}"
+
+
+def _cpu_list_cases():
+    from _autocast_lists import autocast_lists
+
+    cpu = autocast_lists()[1]
+    for name, want in (("torch_16", "low"), ("nn_16", "low"), ("torch_fp32", torch.float32),
+                       ("nn_fp32", torch.float32), ("torch_need_autocast_promote", torch.float32),
+                       ("torch_expect_builtin_promote", "entry"), ("methods_expect_builtin_promote", "entry")):
+        for i, entry in enumerate(getattr(cpu, name)):
+            yield pytest.param(name, entry, want, id=f"{name}-{i}-{entry[0]}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name,entry,want", list(_cpu_list_cases()))
+def test_real_cpu_autocast_gives_what_pytorch_cpu_lists_expect(name, entry, want, dtype):
+    """The CPU lists' expectations hold on this torch (so the table checked against them describes it)."""
+    low = getattr(torch, dtype)
+    op = entry[0]
+    if name in ("torch_need_autocast_promote", "torch_expect_builtin_promote", "methods_expect_builtin_promote"):
+        args, kwargs = entry[1] if dtype == "bfloat16" else entry[2], {}     # (op, bf16 args, fp16 args[, out])
+    else:
+        args, kwargs = entry[1], (entry[2] if len(entry) > 2 else {})
+    want = low if want == "low" else entry[-1] if want == "entry" else want
+    module = torch._C._nn if name.startswith("nn_") else None if name.startswith("methods_") else torch
+    outs = []
+    with torch.autocast("cpu", dtype=low):
+        if module is not None and hasattr(module, op):
+            outs.append(getattr(module, op)(*args, **kwargs))
+        if hasattr(torch.Tensor, op):
+            outs.append(getattr(args[0], op)(*args[1:], **kwargs))
+    assert outs
+    for out in outs:
+        t = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, tuple) else None
+        if t is not None:
+            assert t.dtype == want, f"{op}: CPU autocast gave {t.dtype}, PyTorch's {name} expects {want}"

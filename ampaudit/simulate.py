@@ -1,0 +1,229 @@
+"""CUDA autocast on a CPU: a CPU-autocast forward in which every op gets the dtype CUDA autocast would give it.
+
+    with torch.autocast("cpu", dtype=torch.float16), simulation(Policy.load("cuda", "float16")) as sim:
+        out = model(x)      # GEMMs in fp16; softmax, exp, sum, layer_norm, x.norm() (F.normalize's) in fp32
+    sim.notes               # what had to be approximated: ops CPU has no float16 kernel for
+
+Autocast is a dispatch key. An aten op called on CPU tensors meets the AutocastCPU key, whose kernel for that op
+(if any) casts the inputs by CPU's policy; CUDA's policy is registered on AutocastCUDA, a key CPU tensors never
+meet. Both work on aten ops, below the Python layer, so an op is handled however a model reaches it:
+``torch.norm(x)``, ``x.norm()``, ``F.normalize(x)`` (which calls ``x.norm``), ``nn.Softmax``. And a composite op
+(cosine_similarity, layer_norm, rms_norm) is cast before it decomposes, so everything inside it runs in the cast
+dtype. A ``TorchFunctionMode`` sees only the outermost Python call (not ``F.normalize``'s ``x.norm``); a
+``TorchDispatchMode`` only the decomposed ops, after CPU autocast has already cast them.
+
+So the simulation works on the same key: for its duration :class:`PolicyUpcast` registers Python kernels on
+AutocastCPU that apply CUDA's policy, for each aten op where CUDA's handling differs from CPU's. *Which* aten ops
+CUDA autocast handles is read from torch's own registrations (the AutocastCUDA kernels are in CPU builds too);
+*how* (lower, fp32, fp32_output, promote, banned) comes from rules/policy/cuda.toml, the table the static audit
+types its graph with, through the aliases of rules/policy/ops.toml. An op CPU autocast casts and CUDA's does not
+(max_pool3d, grid_sampler, cat) gets a fallthrough, as on CUDA. The casts follow
+aten/src/ATen/autocast_mode.h: only floating tensors other than float64 are cast; fp32_output sets an unset
+``dtype`` argument to float32 (norm, which has none, gets its input upcast: the same numbers).
+
+CPU lacks a few float16 kernels that CUDA has. Under the simulation such an op is computed in fp32 and rounded to
+the low dtype, and a note says which op (:func:`ampaudit.notes.note`, and ``sim.notes``). A CPU target uses none
+of this: there a missing kernel is a real failure. The registrations are process-wide while active: do not run
+other CPU-autocast work on another thread meanwhile.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from functools import lru_cache
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ampaudit.notes import note
+from ampaudit.policy import Policy, op_names
+from ampaudit.quiet import quiet
+
+_KEY = "AutocastCPU"
+_LOW = (torch.float16, torch.bfloat16)
+
+
+@lru_cache(maxsize=None)
+def autocast_ops(key: str) -> frozenset[str]:
+    """Qualified names (``aten::norm.Scalar``) of the aten ops with a kernel on dispatch key ``key``."""
+    return frozenset(name for name in torch._C._dispatch_get_all_op_names()
+                     if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key))
+
+
+def packet(qualified: str) -> str:
+    """``aten::norm.Scalar`` -> ``norm``."""
+    return qualified.split("::", 1)[1].split(".", 1)[0]
+
+
+def category(policy: Policy, qualified: str) -> str | None:
+    """``policy``'s category for an aten op, named the way the static audit names it (ops.toml aliases)."""
+    name = packet(qualified)
+    return policy.category(op_names()["aliases"].get(name, name))
+
+
+@lru_cache(maxsize=None)
+def overrides(device: str, dtype: str) -> dict[str, str | None]:
+    """Aten op -> the category the simulation applies on AutocastCPU (None: a fallthrough, the op runs uncast),
+    for each op ``device``'s autocast handles differently from CPU's.
+
+    ``device`` handles the ops torch registers on its autocast key, and ops CPU registers that its table names
+    (mkldnn_rnn_layer, CPU's counterpart of cuDNN's RNN). An op it registers that its table does not name keeps
+    CPU's handling (a test keeps that list empty)."""
+    target, cpu = Policy.load(device, dtype), Policy.load("cpu", dtype)
+    registered, cpu_ops = autocast_ops("Autocast" + device.upper()), autocast_ops(_KEY)
+    out: dict[str, str | None] = {}
+    for op in sorted(registered | cpu_ops):
+        want = category(target, op)
+        handled = op in registered or want is not None
+        if op in registered and want is None:
+            continue
+        want = want if handled else None
+        have = category(cpu, op) if op in cpu_ops else None
+        if want != have or (op in cpu_ops and not handled):
+            out[op] = want
+    return out
+
+
+def _overload(qualified: str) -> torch._ops.OpOverload:
+    name, _, overload = qualified.split("::", 1)[1].partition(".")
+    return getattr(getattr(torch.ops.aten, name), overload or "default")
+
+
+def _eligible(t: Any) -> bool:
+    # autocast_mode.h is_eligible: a floating tensor of the autocast's device, float64 excepted.
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
+        and t.device.type == "cpu"
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if _eligible(t) and t.dtype != dtype else t, tree)
+
+
+def _dtype_at(op: torch._ops.OpOverload) -> int | None:
+    names = [a.name for a in op._schema.arguments]
+    return names.index("dtype") if "dtype" in names else None
+
+
+def _kernel(op: torch._ops.OpOverload, how: str | None) -> Callable:
+    """The AutocastCPU kernel applying CUDA's policy ``how`` to ``op``, then running it below autocast."""
+    below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    at = _dtype_at(op)
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            if how == "lower":
+                args, kwargs = _cast((args, kwargs), torch.get_autocast_dtype("cpu"))
+            elif how == "fp32":
+                args, kwargs = _cast((args, kwargs), torch.float32)
+            elif how == "fp32_output" and args and _eligible(args[0]):
+                if at is None:               # fp32_append_dtype (norm): the dtype overload upcasts the input
+                    args = (args[0].float(),) + tuple(args[1:])
+                elif at < len(args):
+                    args = tuple(args[:at]) + (torch.float32 if args[at] is None else args[at],) + tuple(args[at + 1:])
+                elif kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif how == "promote":
+                # The widest floating input wins; CUDA raises on fp16 mixed with bf16, this gives fp32.
+                low = torch.get_autocast_dtype("cpu")
+                wide = any(_eligible(t) and t.dtype != low for t in tree_leaves((args, kwargs)))
+                args, kwargs = _cast((args, kwargs), torch.float32 if wide else low)
+            elif how == "banned":
+                raise RuntimeError(f"{op.name()} is unsafe to autocast: CUDA autocast raises here")
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+_NO_LOW_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'")
+
+
+class _EmulateLowKernels(TorchDispatchMode):
+    """Ops without a CPU kernel for the low dtype run in fp32, their outputs rounded to the dtype they would
+    have had; each such op is noted once."""
+
+    def __init__(self, notes: list[str]):
+        super().__init__()
+        self.notes = notes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as exc:
+            missing = _NO_LOW_KERNEL.search(str(exc))
+            if missing is None:
+                raise
+        floats = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        low = next((t.dtype for t in floats if t.dtype in _LOW), None)
+        wide = any(t.dtype not in _LOW for t in floats)
+        originals: dict[int, torch.Tensor] = {}
+
+        def up(t):
+            if isinstance(t, torch.Tensor) and t.dtype in _LOW:
+                u = t.float()
+                originals[id(u)] = t
+                return u
+            return t
+
+        up_args, up_kwargs = tree_map(up, (args, kwargs))
+        out = func(*up_args, **up_kwargs)
+        # In-place and out= ops wrote into the fp32 copies: write back into the caller's tensors.
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            value = up_args[i] if i < len(up_args) and not a.kwarg_only else up_kwargs.get(a.name)
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and id(t) in originals:
+                    originals[id(t)].copy_(t)
+
+        def down(t):
+            if isinstance(t, torch.Tensor) and id(t) in originals:
+                return originals[id(t)]
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and low is not None and not wide:
+                return t.to(low)
+            return t
+
+        message = (f"CUDA simulation: CPU has no {missing.group(1)} kernel for {func.overloadpacket}; it ran in "
+                   f"float32, rounded to {str(low).replace('torch.', '')}")
+        if message not in self.notes:
+            self.notes.append(message)
+        note(message)
+        return tree_map(down, out)
+
+
+class PolicyUpcast:
+    """While entered (inside ``torch.autocast("cpu", dtype=policy.low)``), CPU autocast follows ``policy``'s
+    device instead of CPU's; see the module docstring. ``notes`` lists what was approximated."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.notes: list[str] = []
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> "PolicyUpcast":
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(quiet())    # torch warns (once) that a kernel is overridden, and more inside
+            lib = torch.library.Library("aten", "IMPL")
+            stack.callback(lib._destroy)    # the overridden CPU kernels come back
+            for op, how in overrides(self.policy.device, self.policy.dtype_name).items():
+                # No category: as if AutocastCPU had no kernel for the op. A fallthrough, not a kernel that runs
+                # it below autocast: a composite (conv2d.padding) must still meet autocast in the ops it calls.
+                kernel = torch.library.fallthrough_kernel if how is None else _kernel(_overload(op), how)
+                lib.impl(op.split("::", 1)[1], kernel, _KEY)
+            stack.enter_context(_EmulateLowKernels(self.notes))
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+
+def simulation(policy: Policy) -> contextlib.AbstractContextManager:
+    """What to run a CPU-autocast forward inside so its numerics follow ``policy`` (a no-op for a CPU target)."""
+    if policy.device == "cpu":
+        return contextlib.nullcontext()
+    return PolicyUpcast(policy)
