@@ -50,14 +50,16 @@ def test_missing_train_data_says_what_to_add():
 
 @pytest.mark.parametrize("args, needle", [
     ([], "--steps N or --epochs E"), (["--steps", "2", "--epochs", "1"], "--steps N or --epochs E"),
-    (["--steps", "2", "--clip-norm", "1", "--clip-value", "1"], "not both"),
+    (["--steps", "2", "--clip-norm", "1", "--clip-value", "1"], "not both; drop --clip-norm or --clip-value"),
+    (["--steps", "2", "--accum", "0"], "accum must be >= 1, got 0; e.g. --accum 4"),
+    (["--steps", "2", "--clip-norm", "-1"], "--clip-norm must be a positive number, got -1.0; e.g. --clip-norm 1.0"),
     (["--steps", "2", "--dtype", "float8"], "unsupported training dtype"),
     (["--steps", "2", "--checkpoint-every", "5"], "needs --checkpoint"),
-    (["--steps", "2", "--resume"], "needs a checkpoint directory"),
+    (["--steps", "2", "--resume"], "needs a checkpoint directory; pass --checkpoint DIR with --resume"),
     (["--steps", "2", "--hysteresis", "0"], "hysteresis must be >= 1"),
     (["--steps", "2", "--divergence-every", "5"], "--divergence-every needs --trace"),
-    (["--steps", "2", "--divergence-every", "5", "--trace", "x.jsonl", "--opt-level", "O2"], "opt level O1"),
-    (["--steps", "2", "--divergence-every", "0", "--trace", "x.jsonl"], "divergence_every must be >= 1"),
+    (["--steps", "2", "--divergence-every", "5", "--trace", "x.jsonl", "--opt-level", "O2"], "use --opt-level O1 with --divergence-every"),
+    (["--steps", "2", "--divergence-every", "0", "--trace", "x.jsonl"], "--divergence-every must be >= 1"),
 ])
 def test_bad_options_are_one_line_errors(args, needle):
     r = run(MLP, *args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import traceback
 from typing import Callable, TypeVar
@@ -55,6 +56,43 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+# Library parameters whose flag is not the parameter's own name (--clip-norm for clip_norm).
+_FLAG_ALIASES = {"checkpoint_dir": "checkpoint"}
+
+
+def _command_flags(fn: Callable) -> dict[str, str]:
+    """A command's options by parameter name, from its typer annotations: ``{"clip_norm": "--clip-norm", ...}``."""
+    import typing
+
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # an annotation that does not resolve: say parameter names as they are
+        return {}
+    flags = {}
+    for name, hint in hints.items():
+        infos = [m for m in getattr(hint, "__metadata__", ()) if type(m).__name__ == "OptionInfo"]
+        if infos:
+            decls = [d for d in getattr(infos[0], "param_decls", None) or () if d.startswith("--")]
+            flags[name] = decls[0].split("/")[0] if decls else "--" + name.replace("_", "-")
+    flags.update({lib: flags[cli] for lib, cli in _FLAG_ALIASES.items() if cli in flags})
+    return flags
+
+
+def speak_flags(text: str, flags: dict[str, str]) -> str:
+    """Library errors name parameters; say them as this command's flags.
+
+    ``accum=4`` -> ``--accum 4``, ``resume=True`` -> ``--resume``, ``opt_level="O2"`` -> ``--opt-level O2``, and a
+    bare ``clip_norm`` -> ``--clip-norm`` (bare names only with an underscore: "resume" is also a word).
+    """
+    if not flags:
+        return text
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    start = r"(?<![\w.'\"-])"   # not inside another name, a dotted path or a quoted key
+    text = re.sub(rf"{start}({names})=True\b", lambda m: flags[m[1]], text)
+    text = re.sub(rf"{start}({names})=(['\"]?)([^\s,;'\"()]+)\2", lambda m: f"{flags[m[1]]} {m[3]}", text)
+    return re.sub(rf"{start}({names})(?![\w=-])", lambda m: flags[m[1]] if "_" in m[1] else m[1], text)
+
+
 def cli_errors(fn: F) -> F:
     """Turn ampaudit's errors into one stderr line and an exit code; ``AMPAUDIT_DEBUG=1`` keeps the traceback."""
 
@@ -67,7 +105,7 @@ def cli_errors(fn: F) -> F:
         except (AmpAuditError, TimeLimitExceeded) as exc:
             if _debug():
                 traceback.print_exc()
-            fail(exc.one_line(), exc.exit_code)
+            fail(speak_flags(exc.one_line(), _command_flags(fn)), exc.exit_code)
         except KeyboardInterrupt:
             fail("interrupted", 130)
         except Exception as exc:  # a bug of ours or an unforeseen input: still one line, never a traceback

@@ -52,7 +52,7 @@ class TraceWriter:
                 self._fh = open(self.path, "a" if append else "w", encoding="utf-8")
             except OSError as exc:
                 raise TraceError(f"cannot write trace {self.path}: {exc.strerror}",
-                                 hint="choose a writable path with --trace") from exc
+                                 hint="choose a writable trace path") from exc
             self._owns = True
 
     def write(self, event: str, step: int | None = None, **fields: Any) -> None:
@@ -75,7 +75,7 @@ def read_trace(path: str | os.PathLike) -> tuple[list[dict], list[str]]:
     """Return ``(events, problems)``: every parseable event, and one message per line that was not."""
     p = Path(path)
     if not p.is_file():
-        raise TraceError(f"trace file not found: {p}", hint="pass the file written by --trace or ampaudit.watch")
+        raise TraceError(f"trace file not found: {p}", hint="pass a trace that ampaudit.watch or a Trainer wrote")
     events: list[dict] = []
     problems: list[str] = []
     with open(p, encoding="utf-8", errors="replace") as fh:

@@ -86,14 +86,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
-        raise TrainError(f"checkpoint not found: {path}", hint="check --checkpoint DIR") from exc
+        raise TrainError(f"checkpoint not found: {path}", hint="check checkpoint_dir") from exc
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as exc:
         first = " ".join(str(exc).split())[:160]
         raise TrainError(f"cannot read checkpoint {path}: {first}",
-                         hint="it may be from another tool or truncated; drop --resume to start fresh") from exc
+                         hint="it may be from another tool or truncated; drop resume=True to start fresh") from exc
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         raise TrainError(f"{path} is not an ampaudit checkpoint (version {CHECKPOINT_VERSION})",
-                         hint="point --checkpoint at the directory ampaudit train wrote")
+                         hint="point checkpoint_dir at the directory a Trainer wrote")
     return state
 
 

@@ -29,8 +29,8 @@ def check_clip(mode: str | None, max_value: float | None) -> None:
     if mode not in CLIP_MODES:
         raise UsageError(f"unknown clip mode {mode!r}", hint=f"use one of {', '.join(CLIP_MODES)}")
     if max_value is None or not (math.isfinite(max_value) and max_value > 0):
-        raise UsageError(f"clip threshold must be a positive number, got {max_value}",
-                         hint="e.g. --clip-norm 1.0")
+        name = "clip_value" if mode == "value" else "clip_norm"
+        raise UsageError(f"{name} must be a positive number, got {max_value}", hint=f"e.g. {name}=1.0")
 
 
 def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -70,7 +70,7 @@ class DataStream:
             if next(it, _END) is _END:
                 raise TrainError(f"train_data() yields only {skipped} batches but the checkpoint stopped after "
                                  f"{self.index} of epoch {self.epoch}",
-                                 hint="resume with the same data, or drop --resume to start fresh")
+                                 hint="resume with the same data, or drop resume=True to start fresh")
         return it
 
     def _next(self) -> Any:

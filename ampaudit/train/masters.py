@@ -39,7 +39,7 @@ def refuse_low_precision_weights(model: nn.Module) -> None:
         if p.requires_grad and p.dtype in LOW_PRECISION:
             raise TrainError(f"parameter {name!r} is {str(p.dtype).replace('torch.', '')} and opt level O1 has no "
                              "FP32 master weights: updates would round away and fp16 gradients cannot be unscaled",
-                             hint="use --opt-level O2 (FP32 masters) or load the model in float32 for O1")
+                             hint='use opt_level="O2" (FP32 masters) or load the model in float32 for O1')
 
 
 def cast_model_o2(model: nn.Module, dtype: torch.dtype) -> nn.Module:

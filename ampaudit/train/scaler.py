@@ -171,7 +171,7 @@ class LossScaler:
             was = "on" if state.get("enabled") else "off"
             raise TrainError(f"the checkpoint was trained with loss scaling {was}; this run has it "
                              f"{'on' if self.enabled else 'off'}",
-                             hint="resume with the same --dtype and --loss-scale")
+                             hint="resume with the same dtype and loss_scale")
         self._scale = float(state["scale"])
         self.steps = int(state["steps"])
         self.growth_tracker = int(state["growth_tracker"])
@@ -249,4 +249,4 @@ def _check_policy(init_scale: float, growth: float, backoff: float, interval: in
         problems.append(f"max_skip_fraction must be in (0, 1], got {max_fraction}")
     if problems:
         raise UsageError("bad loss-scaler policy: " + "; ".join(problems),
-                         hint="see `ampaudit train --help` for each option's range")
+                         hint="give each of those parameters a value in its range")

@@ -98,9 +98,9 @@ class Trainer:
         self.dtype = parse_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
-            raise UsageError(f"accum must be >= 1, got {accum}", hint="e.g. --accum 4")
+            raise UsageError(f"accum must be >= 1, got {accum}", hint="e.g. accum=4")
         if clip_norm is not None and clip_value is not None:
-            raise UsageError("clip by norm or by value, not both", hint="drop --clip-norm or --clip-value")
+            raise UsageError("clip by norm or by value, not both", hint="drop clip_norm or clip_value")
         self._clip_mode = "value" if clip_value is not None else (clip_mode if clip_norm is not None else None)
         self._clip_max = clip_value if clip_value is not None else clip_norm
         check_clip(self._clip_mode, self._clip_max)
@@ -111,7 +111,7 @@ class Trainer:
         if divergence_every is not None and self.opt_level == "O2":
             # The FP32 shadow runs the model's own weights, which O2 keeps in low precision.
             raise UsageError("divergence checks need FP32 weights: opt level O1",
-                             hint="use --opt-level O1 with --divergence-every, or drop --divergence-every")
+                             hint='use opt_level="O1" with divergence_every, or drop divergence_every')
         self.accum = accum
         self._loss_fn = loss_fn
         self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -128,7 +128,7 @@ class Trainer:
         model.to(self.device)
         if self.opt_level == "O2":
             if self.dtype == torch.float32:
-                raise UsageError("opt level O2 needs --dtype float16 or bfloat16",
+                raise UsageError('opt level O2 needs dtype="float16" or dtype="bfloat16"',
                                  hint="use O1 for float32 training")
             cast_model_o2(model, self.dtype)
         else:
@@ -161,7 +161,7 @@ class Trainer:
                 isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
             # Rank 0 alone runs the FP32 shadow; a SyncBatchNorm in it would wait for the other ranks forever.
             raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
-                             hint="drop --divergence-every, or check divergence in a single-process run")
+                             hint="drop divergence_every, or check divergence in a single-process run")
         self._trace = TrainTrace(trace if self.dist.is_main else None, model, dtype=self.dtype, every=trace_every,
                                  divergence_every=divergence_every)
 
@@ -204,7 +204,7 @@ class Trainer:
         diff = [f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v]
         if diff:
             raise TrainError(f"checkpoint does not match this run: {', '.join(diff)}",
-                             hint="resume with the settings it was written with, or drop --resume")
+                             hint="resume with the settings it was written with, or drop resume=True")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -225,7 +225,7 @@ class Trainer:
         """Write the state atomically to ``directory/name`` (rank 0); return the path (None on other ranks)."""
         directory = directory or self._checkpoint_dir
         if directory is None:
-            raise UsageError("no checkpoint directory", hint="pass checkpoint_dir / --checkpoint DIR")
+            raise UsageError("no checkpoint directory", hint="pass checkpoint_dir=DIR")
         state = self.state_dict()
         path = None
         if name == LAST:
@@ -248,14 +248,14 @@ class Trainer:
         ``checkpoint_dir``, the state at the end (steps reached, data exhausted, or a signal) is saved there too.
         """
         if (steps is None) == (epochs is None):
-            raise UsageError("give either steps or epochs", hint="e.g. --steps 1000 or --epochs 3")
+            raise UsageError("give either steps or epochs", hint="e.g. steps=1000 or epochs=3")
         if (steps is not None and steps < 1) or (epochs is not None and epochs < 1):
             raise UsageError(f"steps/epochs must be >= 1, got {steps if steps is not None else epochs}")
         self._stream.epochs = epochs
         resumed = False
         if resume:
             if self._checkpoint_dir is None:
-                raise UsageError("resume needs a checkpoint directory", hint="pass --checkpoint DIR with --resume")
+                raise UsageError("resume needs a checkpoint directory", hint="pass checkpoint_dir=DIR with resume=True")
             if (self._checkpoint_dir / LAST).is_file():
                 self.load_state_dict(load_checkpoint(self._checkpoint_dir / LAST))
                 resumed = True
@@ -363,7 +363,7 @@ class Trainer:
         self.save_checkpoint(HALTED, directory)
         if self.dist.is_main:
             atomic_write_text(directory / DIAGNOSIS, json.dumps(diagnosis, indent=2),
-                              hint="choose a writable --checkpoint directory")
+                              hint="choose a writable checkpoint_dir")
             self._trace.close_watch()   # its last statistics go before the halt event, which ends the trace
             self._trace.write("halt", step=self.step, reason=reason, diagnosis=diagnosis)
         raise TrainingHalted(f"training halted at step {self.step}: {reason}; {describe(diagnosis)}",
@@ -398,7 +398,7 @@ def _device(device: str | torch.device | None) -> torch.device:
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"unknown device {device!r}", hint="use cpu or cuda") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("cuda requested but no CUDA device is available", hint="use --device cpu")
+        raise UsageError("cuda requested but no CUDA device is available", hint='use device="cpu"')
     return dev
 
 
