@@ -244,10 +244,19 @@ class DivergenceProbe:
                 self._pending.append(({**tag, "scope": "global"}, sums))
             reals[call] = []
         if self.ranges and refs:
-            counts = [full_counts(r.detach(), self.dtype)[0] for r in refs]
-            amax = torch.stack([r.detach().abs().amax().float() for r in refs if r.numel()]).amax() \
-                if any(r.numel() for r in refs) else torch.zeros(())
-            self._range.append((name, torch.stack(counts).sum(0), amax))
+            # Empty outputs (a detector with no detections) have no range; a statistic that fails costs that
+            # statistic, not the audit, and the report says which module lacks it.
+            try:
+                sized = [r.detach() for r in refs if r.numel()]
+                if sized:
+                    counts = torch.stack([full_counts(r, self.dtype)[0] for r in sized]).sum(0)
+                    amax = torch.stack([r.abs().amax().float() for r in sized]).amax()
+                    self._range.append((name, counts, amax))
+            except Exception as exc:
+                from ampaudit.notes import note
+
+                note(f"range statistics of {name or 'the top module'} skipped: {type(exc).__name__}: "
+                     f"{' '.join(str(exc).split())[:120]}")
         if not self._run_local_now:
             return
         if mod in self._neutral and refs and not self._low_fed(name, call):

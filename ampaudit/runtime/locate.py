@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -147,8 +148,15 @@ class ModuleStack:
 
 
 def float_tensors(tree: Any) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(tree)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The floating tensors of ``tree`` (tuples, lists, dicts, and dataclass outputs, which pytree leaves whole)."""
+    out = []
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor):
+            if t.is_floating_point():
+                out.append(t)
+        elif dataclasses.is_dataclass(t) and not isinstance(t, type):
+            out += float_tensors([getattr(t, f.name) for f in dataclasses.fields(t)])
+    return out
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -317,21 +325,35 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
                 locator.events.append(_python_error(exc, tracker.current))
             return locator.events
         if backward:
-            params = [p for p in root.parameters() if p.requires_grad]
-            if loss is not None:
-                with torch.enable_grad():
-                    total = loss(out)
-                pairs = [(total, None)] if isinstance(total, torch.Tensor) and total.requires_grad else []
-            else:
-                outs = [o for o in float_tensors(out) if o.requires_grad]
-                pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
-            if pairs and params:
-                locator.phase = "backward"
-                with locator, warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs],
-                                        allow_unused=True)
+            try:
+                _backward(root, out, locator, loss, upstream)
+            except Exception as exc:
+                # An op that raises in the backward is an event (the locator recorded it); a backward that
+                # cannot run at all (an op without a derivative, a loss that does not fit the output) costs
+                # the backward's events, not the audit.
+                if locator.error is None:
+                    from ampaudit.notes import note
+
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    note(f"the backward pass was not checked: {type(exc).__name__}: {first[:160]}")
     return locator.events
+
+
+def _backward(root: nn.Module, out: Any, locator: NonFiniteLocator, loss: Callable[[Any], torch.Tensor] | None,
+              upstream: list[torch.Tensor | None] | None) -> None:
+    params = [p for p in root.parameters() if p.requires_grad]
+    if loss is not None:
+        with torch.enable_grad():
+            total = loss(out)
+        pairs = [(total, None)] if isinstance(total, torch.Tensor) and total.requires_grad else []
+    else:
+        outs = [o for o in float_tensors(out) if o.requires_grad]
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
+    if pairs and params:
+        locator.phase = "backward"
+        with locator, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
 
 
 def _origin(ev: dict) -> tuple:

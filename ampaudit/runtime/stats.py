@@ -79,7 +79,13 @@ def count_ge(bits: torch.Tensor, threshold: int, width: int) -> torch.Tensor:
 
 
 def full_counts(t: torch.Tensor, target: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts[6] int64, min_nonzero 0-d float32)`` of one float tensor, all on its device."""
+    """``(counts[6] int64, min_nonzero 0-d float32)`` of one float tensor, all on its device (an empty tensor:
+    zero counts, min_nonzero inf)."""
+    if not t.numel():                       # amin of nothing raises (a detector with no detections)
+        return (torch.zeros(len(COUNT_FIELDS), dtype=torch.int64, device=t.device),
+                torch.full((), math.inf, device=t.device))
+    if t.dtype not in _INT_VIEW:            # float8: its values are exact in float32, thresholds too
+        t = t.float()
     th = thresholds(t.dtype, target)
     bits = magnitude_bits(t)
     done = {1: torch.count_nonzero(bits)}
@@ -99,6 +105,9 @@ def full_counts(t: torch.Tensor, target: torch.dtype) -> tuple[torch.Tensor, tor
 def extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """0-d device tensors (min, max) of ``t``; NaN propagates, so they double as the non-finite flag."""
     t = t.detach()
+    if not t.numel():                       # nothing to be non-finite: (0, 0), where aminmax would raise
+        zero = t.new_zeros(())
+        return zero, zero
     # Measured on CPU: aminmax is the fastest for 16-bit floats, separate amin/amax for fp32 (and both beat
     # abs().amax(), which also allocates a copy).
     if t.dtype in (torch.float16, torch.bfloat16):
