@@ -5,8 +5,10 @@
 """
 from __future__ import annotations
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 class TrainProgress:
@@ -16,6 +18,10 @@ class TrainProgress:
         self._progress: Progress | None = None
         if not enabled:
             return
+        # rich is imported only for a bar that shows: library use of the trainer never loads it.
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("scale {task.fields[scale]}"),

@@ -1,0 +1,20 @@
+"""Library imports stay lean: the trainer loads rich only for a progress bar that shows."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _loaded_after(statement: str, prefix: str) -> list[str]:
+    code = f"import sys; {statement}; print(sorted(m for m in sys.modules if m == {prefix!r} or m.startswith({prefix + '.'!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return eval(out)
+
+
+def test_import_ampaudit_train_does_not_load_rich():
+    assert _loaded_after("import ampaudit.train", "rich") == []
+
+
+def test_a_disabled_progress_bar_does_not_load_rich():
+    assert _loaded_after("from ampaudit.train.progress import TrainProgress; TrainProgress(10, enabled=False)",
+                         "rich") == []
