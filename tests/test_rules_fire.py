@@ -79,6 +79,13 @@ CASES = [
     ("AMP401", (Proj(lambda h: h + torch.finfo(torch.float32).min), X16), (Proj(lambda h: h + torch.finfo(torch.float16).min), X16), "cuda", "error"),
     ("AMP402", (Proj(lambda h: h / (h.abs() + 1e-8)), X16), (Proj(lambda h: h / (h.abs() + 1e-3)), X16), "cuda", "warning"),
     ("AMP403", (Proj(lambda h: h + 1e-6), X16), (Proj(lambda h: h + 1e-3), X16), "cuda", "info"),
+    # Default arguments are constants too: F.normalize's eps=1e-12 clamps an fp16 norm on CPU.
+    ("AMP402", (Proj(lambda h: F.normalize(h, dim=-1)), X16), (Proj(lambda h: F.normalize(h, dim=-1, eps=1e-4)), X16),
+     "cpu", "warning"),
+    ("AMP402", (Proj(lambda h: F.cosine_similarity(h, h)), X16), (Proj(lambda h: F.cosine_similarity(h.float(), h.float())), X16),
+     "cpu", "warning"),
+    ("AMP403", (Proj(lambda h: F.pairwise_distance(h, h)), X16), (Proj(lambda h: F.pairwise_distance(h, h, eps=1e-4)), X16),
+     "cpu", "info"),
 ]
 
 
