@@ -15,6 +15,7 @@ from ampaudit.capture.dispatch_capture import capture_dispatch
 from ampaudit.capture.export_capture import capture_export
 from ampaudit.capture.fx_capture import Capture, SourceLoc, capture
 from ampaudit.errors import CaptureError, UsageError
+from ampaudit.quiet import quiet
 
 MODES = ("auto", "fx", "export", "dispatch")
 
@@ -35,7 +36,9 @@ def capture_any(model: nn.Module, args: tuple, kwargs: dict, *, mode: str = "aut
     notes: list[str] = []
     for name in order:
         try:
-            cap = attempts[name]()
+            # Tracing, exporting and recording make torch warn about its own machinery; the user's warnings stay.
+            with quiet():
+                cap = attempts[name]()
         except CaptureError as exc:
             if mode != "auto" or name == order[-1]:
                 raise
