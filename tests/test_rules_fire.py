@@ -86,6 +86,15 @@ CASES = [
      "cpu", "warning"),
     ("AMP403", (Proj(lambda h: F.pairwise_distance(h, h)), X16), (Proj(lambda h: F.pairwise_distance(h, h, eps=1e-4)), X16),
      "cpu", "info"),
+    # Integers past 2048 held in fp16: created there, cast there, or taken by an op computing there.
+    ("AMP404", (Proj(lambda h: h * torch.arange(4000, dtype=h.dtype)[-16:]), X16),
+     (Proj(lambda h: h * torch.arange(4000, dtype=h.dtype)[:16]), X16), "cpu", "warning"),
+    ("AMP404", (Proj(lambda h: h + torch.arange(3000).type_as(h)[-16:]), X16),
+     (Proj(lambda h: h + torch.arange(3000).float()[-16:]), X16), "cuda", "warning"),
+    ("AMP404", (Proj(lambda h: h + torch.arange(3000)[-16:]), X16),
+     (Proj(lambda h: h + torch.arange(3000)[:16]), X16), "cpu", "warning"),
+    ("AMP404", (Proj(lambda h: h / torch.arange(1, 4001, dtype=h.dtype)[-16:]), X16),
+     (Proj(lambda h: h / torch.arange(1, 17, dtype=h.dtype)), X16), "cpu", "info"),
 ]
 
 

@@ -88,6 +88,8 @@ def matcher(name: str, *, fields: set[str]) -> Callable:
 
 def load_builtin_matchers() -> dict[str, Matcher]:
     """Import the built-in matcher modules (each registers itself) and return the registry."""
-    from ampaudit.rules.matchers import alignment, calibrated, constants, normalization, sensitive  # noqa: F401
+    from ampaudit.rules.matchers import (  # noqa: F401
+        alignment, calibrated, constants, integers, normalization, sensitive,
+    )
 
     return MATCHERS
