@@ -39,6 +39,14 @@ def hits(model, *inputs, device="cpu", dtype="float16", rule=None):
 
 
 X16 = torch.randn(4, 16)
+SEQ = torch.randn(2, 4096, 16)
+
+
+def box(h, fp32=False, positive=True):
+    """A sliding-window sum from a cumsum difference (window 8 over 4096 steps)."""
+    terms = F.softplus(h) if positive else h
+    c = (terms.float() if fp32 else terms).cumsum(1)
+    return c[:, 8:] - c[:, :-8]
 
 CASES = [
     # rule, should-fire model+inputs, should-not model+inputs, device, expected severity
@@ -95,6 +103,10 @@ CASES = [
      (Proj(lambda h: h + torch.arange(3000)[:16]), X16), "cpu", "warning"),
     ("AMP404", (Proj(lambda h: h / torch.arange(1, 4001, dtype=h.dtype)[-16:]), X16),
      (Proj(lambda h: h / torch.arange(1, 17, dtype=h.dtype)), X16), "cpu", "info"),
+    # Window sums from a low-precision cumsum: a warning when one-sign terms and the window prove the error.
+    ("AMP206", (Proj(box), SEQ), (Proj(lambda h: box(h, fp32=True)), SEQ), "cpu", "warning"),
+    ("AMP206", (Proj(lambda h: box(h, positive=False)), SEQ), (Proj(lambda h: box(h, fp32=True, positive=False)), SEQ),
+     "cpu", "info"),
 ]
 
 

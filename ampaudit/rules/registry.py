@@ -89,7 +89,7 @@ def matcher(name: str, *, fields: set[str]) -> Callable:
 def load_builtin_matchers() -> dict[str, Matcher]:
     """Import the built-in matcher modules (each registers itself) and return the registry."""
     from ampaudit.rules.matchers import (  # noqa: F401
-        alignment, calibrated, constants, integers, normalization, sensitive,
+        alignment, calibrated, constants, integers, normalization, running_sums, sensitive,
     )
 
     return MATCHERS
