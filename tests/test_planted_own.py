@@ -1,0 +1,111 @@
+"""The planted models in tests/planted/ really fail as their docstrings say, and the static rules locate the ones a
+static rule can prove.
+
+Each model runs in FP32 and under CPU autocast of its target dtype (a CUDA target runs with the CPU dtype): FP32 must
+be finite, forward and backward; the low-precision run must show the fault: a non-finite output or a relative error
+above 10% (forward faults), or a finite output with a non-finite gradient (backward faults).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampaudit
+
+from conftest import load_module
+
+OWN = Path(__file__).resolve().parent / "planted"
+FILES = sorted(p for p in OWN.glob("*.py") if not p.name.startswith("_"))
+FAMILIES = {"alignment", "sensitive-op", "normalization", "constant", "range", "nonfinite", "divergence"}
+
+
+def _run(m, dtype, inputs, target=None):
+    """The float32 output (and the parameters' gradients of loss_fn, when a target is given) of one run."""
+    model = m.build_model()
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        out = model(*inputs)
+    grads = []
+    if target is not None:
+        m.loss_fn(out, target).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return out.detach().float(), grads
+
+
+def _finite(*tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_expect_is_complete(path):
+    expect = load_module(path).EXPECT
+    assert set(expect) >= {"culprit", "families", "target", "phase"}
+    assert set(expect["families"]) <= FAMILIES
+    assert expect["target"]["device"] in ("cpu", "cuda") and expect["target"]["dtype"] in ("float16", "bfloat16")
+    assert expect["phase"] in ("forward", "backward")
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_fault_is_real_and_fp32_is_fine(path):
+    m = load_module(path)
+    dtype = getattr(torch, m.EXPECT["target"]["dtype"])
+    inputs = tuple(m.example_inputs())
+    ref, _ = _run(m, None, inputs)
+    low, _ = _run(m, dtype, inputs)
+    assert _finite(ref), "FP32 output is not finite"
+    batch, target = next(iter(m.train_data()))
+    batch = batch if isinstance(batch, tuple) else (batch,)
+    _, ref_grads = _run(m, None, batch, target)
+    assert _finite(*ref_grads), "FP32 gradients are not finite"
+    if m.EXPECT["phase"] == "backward":
+        _, low_grads = _run(m, dtype, batch, target)
+        assert _finite(low), "a backward-only fault must leave the forward finite"
+        assert not _finite(*low_grads), "the low-precision gradients are finite: the fault is not there"
+    else:
+        error = float((low - ref).norm() / ref.norm()) if _finite(low) else float("inf")
+        assert error > 0.10, f"relative error {error:.3f} under {dtype}: the fault is not there"
+
+
+# The planted faults a static rule proves, with the rule that must locate them at warning or above.
+STATIC = [
+    ("rope_bf16_positions", "AMP404"),
+    ("rope_matmul_autocast", "AMP404"),
+    ("sinusoid_fp16_arange", "AMP404"),
+    ("box_filter_cumsum", "AMP206"),
+    ("normalize_zero_row", "AMP402"),
+]
+
+
+@pytest.mark.parametrize("name, rule", STATIC)
+def test_static_rule_locates_the_culprit(name, rule):
+    m = load_module(OWN / f"{name}.py")
+    target = m.EXPECT["target"]
+    report = ampaudit.check(m.build_model(), *m.example_inputs(), **target)
+    found = [f for f in report.findings if f.rule == rule and f.severity in ("warning", "error")]
+    assert found and all(f.module == m.EXPECT["culprit"] for f in found), report.to_dict()["findings"]
+    assert found[0].family in m.EXPECT["families"]
+
+
+@pytest.mark.parametrize("name, rule", STATIC)
+def test_static_rule_silent_when_cuda_keeps_it_fp32(name, rule):
+    """On CUDA the same models differ: cumsum and norm have fp32 outputs there, so AMP206 and the default-eps
+    AMP402 have nothing to say; integers cast to the activation dtype are rounded on every device."""
+    m = load_module(OWN / f"{name}.py")
+    report = ampaudit.check(m.build_model(), *m.example_inputs(), device="cuda", dtype=m.EXPECT["target"]["dtype"])
+    hits = [f for f in report.findings if f.rule == rule and f.severity != "info"]
+    assert bool(hits) == (rule == "AMP404")
+
+
+@pytest.mark.parametrize("name", [n for n, _ in STATIC])
+def test_captures_agree_on_these_rules(name):
+    m = load_module(OWN / f"{name}.py")
+    mine = ("AMP206", "AMP402", "AMP403", "AMP404")
+
+    def keys(mode):
+        report = ampaudit.check(m.build_model(), *m.example_inputs(), **m.EXPECT["target"], capture_mode=mode)
+        return sorted({(f.rule, f.severity, f.module, (f.location or {}).get("line"))
+                       for f in report.findings if f.rule in mine})
+
+    fx_keys = keys("fx")
+    assert fx_keys and keys("export") == fx_keys and keys("dispatch") == fx_keys
