@@ -65,3 +65,16 @@ def test_group_ids_number_groups_in_first_occurrence_order():
     report = ampaudit.check(Deep(), torch.randn(2, 8, 8, 8), device="cuda")
     ids = group_ids(report.findings)
     assert ids[0] == 0 and sorted(set(ids)) == list(range(len(group_findings(report.findings))))
+
+
+def test_findings_that_differ_only_in_numbers_share_a_row():
+    # Misaligned GEMMs of one kind and dim, each with its own sizes, are one row per severity; JSON has each.
+    model = nn.Sequential(nn.Linear(1000, 500), nn.Linear(500, 250), nn.Linear(250, 10), nn.Linear(10, 6))
+    report = ampaudit.check(model, torch.randn(4, 1000), device="cuda")
+    groups = [g for g in group_findings(report.findings) if g.rule == "AMP101"]
+    keys = [(g.severity, g.message.split(":")[1].split("=")[0].strip()) for g in groups]
+    assert len(keys) == len(set(keys))                      # one row per (severity, which dim)
+    assert sum(g.count for g in groups) == len([f for f in report.findings if f.rule == "AMP101"]) >= 5
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    render_report(report, console)
+    assert "more like it" in console.file.getvalue()

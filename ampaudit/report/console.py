@@ -36,6 +36,9 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
             if len(locs) > 1:
                 where += f" +{len(locs) - 1}"
             body = Text(g.message)
+            similar = len({f.message for f in g.findings}) - 1
+            if similar:
+                body.append(f" (and {similar} more like it: --format json lists each)", style="dim")
             modules = g.modules
             if len(modules) > 1 or g.count > 1:
                 body.append(f"\n{g.count}x in {g.pattern}" + (f" ({len(modules)} modules)" if len(modules) > 1 else ""),
@@ -43,7 +46,7 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
             else:
                 body.append(f"\nin {first.module or '<top module>'}", style="dim")
             if first.fix:
-                body.append(f"\nfix: {first.fix}", style="dim")
+                body.append(f"\nfix{' (the first)' if similar else ''}: {first.fix}", style="dim")
             if show_why and first.why:
                 body.append(f"\nwhy: {first.why}", style="dim italic")
             table.add_row(Text(g.severity, style=_STYLE[g.severity]), g.rule, where, body)

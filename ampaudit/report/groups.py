@@ -1,4 +1,5 @@
-"""Repeated findings as one group: the same rule, severity and message on many modules (every block of a ResNet).
+"""Repeated findings as one group: the same rule, severity and message up to its numbers (BatchNorm in every block
+of a ResNet, a channel count off the multiple in every block of a RexNet).
 
     groups = group_findings(report.findings)
     groups[0].rule, groups[0].count, groups[0].pattern      # "AMP301", 53, "bn1, layer*.*.bn*, layer*.0.downsample.1"
@@ -9,6 +10,7 @@ Groups are ordered by their first finding, so execution order survives.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ampaudit.findings import Finding
@@ -48,8 +50,13 @@ class Group:
         return list(seen.values())
 
 
+_NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?%?")
+
+
 def _key(f: Finding) -> tuple:
-    return (f.rule, f.severity, f.message)
+    # Findings of one rule that differ only in their numbers (a misaligned channel count per layer, a share) are
+    # one pattern and one row; JSON keeps each one's numbers.
+    return (f.rule, f.severity, _NUMBER.sub("#", f.message))
 
 
 def group_findings(findings: list[Finding]) -> list[Group]:
