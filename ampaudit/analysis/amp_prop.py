@@ -99,7 +99,7 @@ class AmpProp(fx.Interpreter):
     """Interpreter writing ``node.meta["amp"]``; call :meth:`propagate` with the example inputs."""
 
     def __init__(self, gm: fx.GraphModule, policy: Policy):
-        super().__init__(gm, garbage_collect_values=True)
+        super().__init__(gm)
         self.policy = policy
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.amp_dtype: dict[fx.Node, Any] = {}   # node -> autocast dtype (tensor outputs) or dtype value

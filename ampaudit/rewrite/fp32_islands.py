@@ -70,16 +70,6 @@ def _reads_dtype(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is getattr and len(node.args) == 2 and node.args[1] == "dtype"
 
 
-def count_casts(islands: list[Island]) -> int:
-    """Casts the islands would add, before rewriting (used for the one-island-per-op baseline too)."""
-    island_of = {n: i for i, isl in enumerate(islands) for n in isl.nodes}
-    total = 0
-    for i, isl in enumerate(islands):
-        ext = {u for n in isl.nodes for u in n.all_input_nodes if island_of.get(u) != i}
-        total += sum(1 for u in ext if needs_upcast(u, island_of))
-    return total
-
-
 def _make_contiguous(graph: fx.Graph, members: set[fx.Node], blocks: dict[fx.Node, int]) -> None:
     """Reorder the nodes spanning ``members`` so they are adjacent; islands already placed move as one unit.
 

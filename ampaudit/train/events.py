@@ -52,10 +52,8 @@ class TrainTrace:
         self._watch = self._start_watch()
 
     def _start_watch(self) -> Any:
-        try:
-            from ampaudit.runtime.watch import watch
-        except ImportError:  # the runtime hooks are optional: the trainer's own events still get written
-            return None
+        from ampaudit.runtime.watch import watch
+
         return watch(self._model, trace=self._writer, every=self._every, dtype=self._dtype, stats=True,
                      divergence_every=self._divergence_every)
 
