@@ -74,5 +74,7 @@ def test_check_scale_runs_tiny_config(tmp_path):
     trace = payload["rows"]["trace"]
     assert trace["wall_s"] > 0 and trace["peak_rss_mib"] > 50 and trace["nodes"] > 20
     check = payload["rows"]["check"]
-    # Until ampaudit.check exists the check row carries a one-line reason and the run exits 1.
-    assert ("error" in check and proc.returncode == 1) or ("wall_s" in check and proc.returncode in (0, 1))
+    assert "error" not in check and check["wall_s"] > 0, check
+    # The exit code is the verdict on the targets (a tiny config on a busy machine may miss a time target).
+    failed = any(t["verdict"] == "FAIL" for t in payload["targets"])
+    assert proc.returncode == (1 if failed else 0), (payload["targets"], proc.stderr)
