@@ -30,7 +30,7 @@ _EXPORTS = {
     "AmpAuditError": "ampaudit.errors",
     "NonFiniteError": "ampaudit.runtime.watch",
     "locate_nonfinite": "ampaudit.runtime.locate",
-    "compare_to_fp32": "ampaudit.runtime.divergence",
+    "compare_to_fp32": "ampaudit.runtime.compare",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -55,7 +55,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     """Measure ``model`` on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)`` under ``policy``
     (see the module docstring). The backward runs too: of ``loss_fn(output, target)`` for batches with a
     target, else of the sum of the floating outputs (computed in fp32)."""
-    from ampaudit.runtime.divergence import compare_to_fp32
+    from ampaudit.runtime.compare import compare_to_fp32
     from ampaudit.runtime.locate import judge_against_fp32, locate_nonfinite
 
     cal = Calibration(policy=policy, batches=0)

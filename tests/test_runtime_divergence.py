@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ampaudit.runtime.divergence import compare_to_fp32
+from ampaudit.runtime.compare import compare_to_fp32
 from ampaudit.runtime.metric_batch import batched_sums, finish_metrics, metric_sums
 
 from conftest import load_planted

@@ -12,7 +12,7 @@ _EXPORTS = {
     "Watch": "ampaudit.runtime.watch",
     "NonFiniteError": "ampaudit.runtime.watch",
     "locate_nonfinite": "ampaudit.runtime.locate",
-    "compare_to_fp32": "ampaudit.runtime.divergence",
+    "compare_to_fp32": "ampaudit.runtime.compare",
     "TraceWriter": "ampaudit.runtime.trace",
     "read_trace": "ampaudit.runtime.trace",
 }

@@ -1,6 +1,6 @@
 """How far each module's low-precision output drifts from FP32: a shadow FP32 forward on the same weights.
 
-    rows = compare_to_fp32(model, (x,), {}, dtype=torch.float16)      # offline, one batch
+    rows = compare_to_fp32(model, (x,), {}, dtype=torch.float16)      # offline, one batch (runtime.compare)
     # [{"module": "mlp.fc", "rel_l2": 3e-4, "cosine": 0.99999, "max_abs": 0.002, "sqnr_db": 70.1,
     #   "local_rel_l2": ..., "absmax": 12.5, "headroom_bits": 12.3, "underflow_share": 0.0, ...}, ...]
 
@@ -41,8 +41,8 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.policy import op_names
-from ampaudit.runtime.fp32 import ieee_fp32, upcast
-from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, preserved, rng_replayed, unwrap
+from ampaudit.runtime.fp32 import ieee_fp32, rounded_to, upcast
+from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
 from ampaudit.runtime.stats import full_counts
 
@@ -268,7 +268,7 @@ class DivergenceProbe:
             flat = float_tensors((a, k))
             if [t._version for t in flat] == versions:
                 dtypes = self._in_dtypes.get(name, [])
-                a = _rounded(a, dtypes[call]) if call < len(dtypes) else a
+                a = rounded_to(a, dtypes[call]) if call < len(dtypes) else a
                 self._run_local(mod, a, k, state, cuda_state, refs, tag)
 
     def _low_fed(self, name: str, call: int) -> bool:
@@ -383,60 +383,3 @@ class DivergenceProbe:
         self._handles.clear()
         self._real_grads.clear()
         self._reset()                    # keeps ``_range``: ``ranges_by_module`` reads it after close
-
-
-def _rounded(args: tuple, dtypes: list[torch.dtype]) -> tuple:
-    """FP32 ``args`` with each floating tensor rounded to the dtype the real run gave it (in flattening order)."""
-    from torch.utils._pytree import tree_map
-
-    it = iter(dtypes)
-
-    def cast(t):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            return t
-        d = next(it, None)
-        return t.to(d) if d is not None and d != t.dtype and d.is_floating_point else t
-
-    if all(type(a) is torch.Tensor for a in args):   # the common case, without pytree
-        return tuple(cast(a) for a in args)
-    return tree_map(cast, args)
-
-
-def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-                    dtype: torch.dtype = torch.float16, device_type: str = "cpu",
-                    local: bool = True) -> list[dict]:
-    """One forward under ``torch.autocast(device_type, dtype)`` against an FP32 forward, per module.
-
-    Returns one row per module in execution order: ``module``; global ``rel_l2``, ``cosine``, ``max_abs``,
-    ``sqnr_db``; the same prefixed ``local_`` (module alone on its inputs as the autocast run had them; absent for
-    the root); and from
-    the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
-    (values above the dtype's max), ``underflow_share`` (share of nonzero values below its smallest normal)
-    and ``flush_share`` (share that would round to zero). Buffers and RNG are left as they were.
-    """
-    root = unwrap(model)
-    probe = DivergenceProbe(root, device_type=device_type, dtype=dtype, local=local, ranges=True)
-    if not probe.usable:
-        return []
-    args, kwargs = tuple(args), dict(kwargs or {})
-    rng = {"cpu": torch.get_rng_state()}
-    try:
-        with preserved(root, rng):
-            probe.begin(capture_grads=False)
-            with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
-                root(*args, **kwargs)
-        probe.shadow(args, kwargs, rng_state=rng, grad=False)
-        events = probe.events()
-    finally:
-        probe.close()
-    rows: dict[str, dict] = {}
-    for ev in events:
-        if ev.get("call"):
-            continue
-        row = rows.setdefault(ev["module"], {"module": ev["module"]})
-        prefix = "" if ev["scope"] == "global" else "local_"
-        for m in METRICS:
-            row[prefix + m] = ev[m]
-    for name, r in probe.ranges_by_module().items():
-        rows.setdefault(name, {"module": name}).update(r)
-    return list(rows.values())

@@ -21,6 +21,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch.utils._pytree import tree_map
 
 # (backend module path, sub-setting) pairs with an ``fp32_precision`` attribute in torch >= 2.9.
 _SETTINGS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"),
@@ -62,3 +63,18 @@ def upcast(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: upcast(v) for k, v in tree.items()}
     return tree
+
+
+def rounded_to(args: tuple, dtypes: list[torch.dtype]) -> tuple:
+    """FP32 ``args`` with each floating tensor rounded to the dtype the real run gave it (in flattening order)."""
+    it = iter(dtypes)
+
+    def cast(t):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return t
+        d = next(it, None)
+        return t.to(d) if d is not None and d != t.dtype and d.is_floating_point else t
+
+    if all(type(a) is torch.Tensor for a in args):   # the common case, without pytree
+        return tuple(cast(a) for a in args)
+    return tree_map(cast, args)
