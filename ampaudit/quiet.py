@@ -5,15 +5,21 @@
 
 Capturing, propagating on fake tensors and re-running a model under another device's autocast make torch warn
 about things the user never did (an overridden kernel, a deprecated tracing path, a fake-tensor fallback). A
-warning attributed to a file of torch, of ampaudit or of the standard library is that machinery talking: it is
-dropped. One attributed to the user's code (the model file, or a library it calls, like torchvision) concerns
-that code and is shown after the block, once per place. ``AMPAUDIT_DEBUG=1`` shows every warning as it is raised.
+warning attributed to a file of torch, of ampaudit, of the standard library or of an installed library
+(site-packages: torchvision's fake kernels warn while shapes propagate) is machinery talking: it is dropped. One
+attributed to the user's own code (the model file, a project checked out or installed in editable mode) concerns
+that code and is shown after the block, once per place; so is a library's warning that points at the user's line
+(``stacklevel``). ``AMPAUDIT_DEBUG=1`` shows every warning as it is raised.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import site
+import sysconfig
 import warnings
+from functools import lru_cache
+from pathlib import Path
 from typing import Iterator
 
 
@@ -22,21 +28,40 @@ def debug() -> bool:
     return os.environ.get("AMPAUDIT_DEBUG", "") not in ("", "0", "false")
 
 
+@lru_cache(maxsize=None)
+def _library_dirs() -> tuple[str, ...]:
+    """Folders of installed packages (site-packages), resolved, each ending in a separator."""
+    dirs = {sysconfig.get_paths().get(k) for k in ("purelib", "platlib")}
+    dirs.update(getattr(site, "getsitepackages", list)())
+    dirs.add(getattr(site, "getusersitepackages", lambda: None)())
+    return tuple(str(Path(d).resolve()) + os.sep for d in dirs if d)
+
+
+@lru_cache(maxsize=4096)
+def concerns_user(filename: str) -> bool:
+    """Whether a warning attributed to ``filename`` is about the user's own code (see the module docstring)."""
+    from ampaudit.capture.fx_capture import is_user_file     # here: the capture package imports this module
+
+    if not is_user_file(filename):
+        return False
+    try:
+        return not str(Path(filename).resolve()).startswith(_library_dirs())
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Inside: torch's own warnings are dropped; the user's are shown once each when the block ends."""
     if debug():
         yield
         return
-    # Imported here: the capture package imports this module.
-    from ampaudit.capture.fx_capture import is_user_file
-
     kept: dict[tuple, warnings.WarningMessage] = {}
 
     def collect(message, category, filename, lineno, file=None, line=None):
         # Called for every warning (filter "always" below): one entry per place, user code only, so a
         # warning raised once per op of a long calibration costs a dict lookup, not a growing list.
-        if is_user_file(filename):
+        if concerns_user(filename):
             kept.setdefault((category, str(message), filename, lineno),
                             warnings.WarningMessage(message, category, filename, lineno))
 

@@ -76,3 +76,13 @@ def test_cuda_simulation_keeps_its_kernel_override_warning_quiet():
 
     with torch.autocast("cpu", dtype=torch.float16), simulation(Policy.load("cuda", "float16")):
         assert torch.nn.functional.softmax(torch.randn(3), -1).dtype == torch.float32
+
+
+def test_an_installed_librarys_own_warnings_are_dropped():
+    import sysconfig
+
+    from ampaudit.quiet import concerns_user
+
+    library = str(__import__("pathlib").Path(sysconfig.get_paths()["purelib"]) / "torchvision" / "_meta.py")
+    assert not concerns_user(library)        # torchvision's fake kernels warn while shapes propagate
+    assert concerns_user(__file__)
