@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ampaudit.notes import note
 from ampaudit.policy import Policy, op_names
@@ -155,9 +155,7 @@ class _EmulateLowKernels(TorchDispatchMode):
             missing = _NO_LOW_KERNEL.search(str(exc))
             if missing is None:
                 raise
-        floats = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        low = next((t.dtype for t in floats if t.dtype in _LOW), None)
-        wide = any(t.dtype not in _LOW for t in floats)
+        want = _output_dtypes(func, args, kwargs)
         originals: dict[int, torch.Tensor] = {}
 
         def up(t):
@@ -177,20 +175,32 @@ class _EmulateLowKernels(TorchDispatchMode):
             for t in tree_leaves(value):
                 if isinstance(t, torch.Tensor) and id(t) in originals:
                     originals[id(t)].copy_(t)
-
-        def down(t):
-            if isinstance(t, torch.Tensor) and id(t) in originals:
-                return originals[id(t)]
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and low is not None and not wide:
-                return t.to(low)
-            return t
-
+        flat, spec = tree_flatten(out)
+        low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dtype in _LOW),
+                   torch.float32)
+        for i, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if id(t) in originals:
+                flat[i] = originals[id(t)]
+            elif t.dtype == torch.float32 and (want[i] if want else low) in _LOW:
+                flat[i] = t.to(want[i] if want else low)
         message = (f"CUDA simulation: CPU has no {missing.group(1)} kernel for {func.overloadpacket}; it ran in "
                    f"float32, rounded to {str(low).replace('torch.', '')}")
         if message not in self.notes:
             self.notes.append(message)
         note(message)
-        return tree_map(down, out)
+        return tree_unflatten(flat, spec)
+
+
+def _output_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list | None:
+    """The dtype of each (flattened) output ``func`` gives these inputs, from its meta kernel (None: no meta
+    kernel; the low dtype is then assumed for fp32 outputs)."""
+    try:
+        meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        return [getattr(t, "dtype", None) for t in tree_flatten(func(*meta[0], **meta[1]))[0]]
+    except Exception:
+        return None
 
 
 class PolicyUpcast:
