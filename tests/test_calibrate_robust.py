@@ -62,7 +62,7 @@ def test_dataclass_outputs_are_compared(device):
 
 def test_an_empty_detector_output_has_no_range_row():
     # torchvision's Faster R-CNN with random weights detects nothing: amin() of its empty boxes raised.
-    from ampaudit.runtime.divergence import compare_to_fp32
+    from ampaudit.runtime.compare import compare_to_fp32
 
     torch.manual_seed(0)
     rows = {r["module"]: r for r in compare_to_fp32(_Net(OUTPUTS["empty"]), (torch.randn(4, 8),))}
