@@ -22,6 +22,7 @@ from ampaudit.policy import Policy
 from ampaudit.rules.engine import relative_location, run_rules
 from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
+from ampaudit.runtime.locate import buffer_snapshot
 
 
 @dataclass
@@ -67,10 +68,16 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     validate_selectors(rules, list(ignore or []), "--ignore")
     active = [r for r in rules if rule_selected(r, list(select or []), list(ignore or []))]
 
-    cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
-    prop = AmpProp(cap.gm, policy)
-    g_args, g_kwargs = cap.graph_inputs(args, kwargs)
-    prop.propagate(*g_args, **g_kwargs)
+    # Capturing runs the model (export and dispatch for real, fx's shape pass on fake inputs): a module in
+    # training mode would move BatchNorm's running statistics. An audit changes nothing the user has.
+    restore = buffer_snapshot(model)
+    try:
+        cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
+        prop = AmpProp(cap.gm, policy)
+        g_args, g_kwargs = cap.graph_inputs(args, kwargs)
+        prop.propagate(*g_args, **g_kwargs)
+    finally:
+        restore()
     _require_tensor_output(cap)
     ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy)
     if calibrate:

@@ -81,3 +81,12 @@ def test_dispatch_capture_keeps_shapes_past_data_dependent_ops():
     assert not any("shapes unknown" in n for n in report.notes)
     softmax = next(f for f in report.findings if f.rule == "AMP201")
     assert softmax.details["depth"] == 30
+
+
+@pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])
+def test_an_audit_changes_no_buffer_of_a_training_mode_model(mode):
+    # Capturing runs the model: BatchNorm in training mode would move its statistics and count a batch.
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ampaudit.check(model, torch.randn(2, 3, 8, 8), capture_mode=mode)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
