@@ -111,6 +111,19 @@ def test_simulation_leaves_cpu_autocast_as_it_was():
     assert during == (torch.float32, torch.float16)   # CUDA: softmax fp32, max_pool3d as its input
 
 
+def test_nested_and_raising_simulations_put_cpu_autocast_back():
+    policy = Policy.load("cuda", "float16")
+    x = torch.randn(4, 8).half()
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.raises(ValueError):
+            with simulation(policy):
+                with simulation(policy):
+                    assert F.softmax(x, -1).dtype == torch.float32
+                assert F.softmax(x, -1).dtype == torch.float32
+                raise ValueError("the forward raised")
+        assert F.softmax(x, -1).dtype == torch.float16
+
+
 def test_overrides_are_where_the_policies_differ():
     """(The tables name every op autocast registers: test_policy_tables.)"""
     got = overrides("cuda", "float16")
