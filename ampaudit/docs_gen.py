@@ -90,6 +90,10 @@ def render_rule(rule: Rule, example: dict[str, str]) -> str:
         fix = _template(rule.fix)
         # A fix with fields is a template: as code, so GitHub does not read <op> as an HTML tag.
         lines += [f"The finding suggests: `{fix}`" if fix != _paragraph(rule.fix) else f"The finding suggests: {fix}.", ""]
+    kind = rule.autofix.get("kind", "none")
+    lines += [f"`ampaudit fix`: " + (f"**{kind}** ({rule.autofix.get('safety')}: "
+              + ("FP32 results unchanged" if rule.autofix.get("safety") == "safe" else "FP32 results may change")
+              + ")" if kind != "none" else "reported, not rewritten") + ".", ""]
     lines += [_code(example["fixed"]), "",
               f"Silence one occurrence with `# ampaudit: ignore[{rule.id}]` on its source line, or the rule with "
               f"`--ignore {rule.id}`.", ""]

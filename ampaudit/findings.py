@@ -30,11 +30,13 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
     code: str = ""                        # the source line itself, for the console
     node: str | None = None               # name of the fx node it was found on (what `fix` rewrites)
+    autofix: dict = field(default_factory=lambda: {"kind": "none"})   # the rule's: how `fix` treats it
 
     def as_dict(self) -> dict:
         return {"rule": self.rule, "name": self.name, "family": self.family, "severity": self.severity,
                 "module": self.module, "op": self.op, "message": self.message, "location": self.location,
-                "fix": self.fix, "why": self.why, "node": self.node, "details": _jsonable(self.details)}
+                "fix": self.fix, "why": self.why, "node": self.node, "details": _jsonable(self.details),
+                "autofix": {k: self.autofix[k] for k in ("kind", "safety") if k in self.autofix}}
 
 
 def _jsonable(value: Any) -> Any:

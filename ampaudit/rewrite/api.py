@@ -21,9 +21,9 @@ from torch import nn
 
 from ampaudit.errors import CaptureError, UsageError
 from ampaudit.findings import Finding
-from ampaudit.rewrite.flags import every_hit, flag_nodes, island_findings
-from ampaudit.rewrite.fp32_islands import insert_islands
-from ampaudit.rewrite.islands import find_islands
+from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.rewrite.fixers import FIXERS, FixJob, island_devices, of_kind
+from ampaudit.rewrite.flags import island_findings
 from ampaudit.rewrite.report import FixReport
 from ampaudit.rewrite.verify import runtime_device, verify_outputs
 
@@ -52,28 +52,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def island_devices(policy_device: str) -> tuple[str, ...]:
-    """Autocast device types an island turns off: the target's, and the CPU's (where verification may run)."""
-    return (policy_device,) if policy_device == "cpu" else (policy_device, "cpu")
-
-
-def baseline_casts(flags: dict) -> int:
-    """Casts of wrapping each flagged op on its own, as the rules' fix text reads: ``op(x.float()).to(x.dtype)``.
-
-    Each low-dtype floating input gets an upcast, and each floating output a cast back.
-    """
-    from ampaudit.analysis.amp_prop import AMP_KEY
-
-    total = 0
-    low = lambda d: isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize < 4
-    for node in flags:
-        info = node.meta.get(AMP_KEY)
-        inputs = [u for u in node.all_input_nodes if u.op not in ("placeholder", "get_attr")]
-        total += sum(1 for u in inputs if low(getattr(u.meta.get(AMP_KEY), "dtype", None)))
-        total += 1 if info is not None and low(info.dtype) else 0
-    return total
-
-
 def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         select: Sequence[str] | None = None, ignore: Sequence[str] | None = None, pad: bool = False,
         verify: bool = True, calibrate: bool = False, rules_dirs: Sequence[str | Path] = (),
@@ -100,25 +78,17 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     findings: list[Finding] = list(aud.report.findings)
     report = FixReport(target=target or type(original).__name__, policy=policy.describe(), before=aud.report,
                        calibrated=calibrate)
-    # The report lists one finding per module and message; every node that hits a rule gets its island.
-    hits = every_hit(aud, select=select, ignore=ignore, rules_dirs=rules_dirs)
-    flags = flag_nodes(gm, findings + hits, root=work)
-    islands = find_islands(gm, flags, root=work)
-    report.casts_per_op = baseline_casts(flags)
-    report.flagged_ops = len(flags)
-    devices = island_devices(policy.device)
+    job = FixJob(gm=gm, work=work, aud=aud, findings=findings, report=report, select=select, ignore=ignore,
+                 rules_dirs=rules_dirs)
+    options = {"pad": pad}
+    _check_kinds(findings)
     changes: list[Any] = []
-    _, island_changes = insert_islands(gm, islands, devices=devices)
-    changes += island_changes
-    report.islands = island_changes
-    if pad:
-        from ampaudit.rewrite.pad import pad_dims
-
-        _, pad_changes = pad_dims(gm, work, findings)
-        changes += pad_changes
-        report.padding = pad_changes
+    for fx_ in FIXERS.values():
+        if fx_.option is None or options.get(fx_.option):
+            changes += fx_.fn(job)
+    devices = island_devices(policy.device)
     padded = {c.module: set(c.dims) for c in report.padding}
-    report.unfixed = _unfixed(findings, flags, padded)
+    report.unfixed = _unfixed(findings, job.flags, padded)
 
     from ampaudit.rewrite.build import install_forward
 
@@ -129,16 +99,26 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     return FixResult(module=fixed, changes=changes, report=report, gm=gm, devices=devices)
 
 
+def _check_kinds(findings: list[Finding]) -> None:
+    from ampaudit.errors import RuleError
+
+    unknown = sorted({f.autofix.get("kind") for f in findings} - set(FIXERS) - {"none"})
+    if unknown:
+        rules = sorted({f.rule for f in findings if f.autofix.get("kind") in unknown})
+        raise RuleError(f"rule(s) {', '.join(rules)} ask for fix kind(s) {', '.join(unknown)}, which no fixer has",
+                        hint=f"use one of {', '.join(sorted(FIXERS))} or none in the rule's autofix")
+
+
 def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) -> list[Finding]:
-    """Warning/error findings this fix does not address (buffer ranges; alignment not padded)."""
+    """Warning/error findings this fix does not address (rules of kind none; alignment not padded)."""
     flagged = {n.name for n in flags}
-    modules = {n.meta.get("ampaudit_module", "") for n in flags}
+    modules = {n.meta.get(MODULE_KEY, "") for n in flags}
     fixed = {id(f) for f in island_findings(findings) if f.node in flagged or (f.node is None and f.module in modules)}
     out = []
     for f in findings:
         if f.severity == "info" or id(f) in fixed:
             continue
-        if f.family == "alignment" and f.details.get("dim") in padded.get(f.module, ()):
+        if f.autofix.get("kind") == "pad" and f.details.get("dim") in padded.get(f.module, ()):
             continue
         out.append(f)
     return out
@@ -156,7 +136,7 @@ def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, c
                   rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, **kwargs)
     remaining = island_findings(again.report.findings)
     if padded:
-        remaining += [f for f in again.report.findings if f.family == "alignment" and f.module in padded
-                      and f.rule in ("AMP101", "AMP102", "AMP103") and f.details.get("dim") in padded[f.module]]
+        remaining += [f for f in of_kind(again.report.findings, "pad") if f.module in padded
+                      and f.details.get("dim") in padded[f.module]]
     v.remaining = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message} for f in remaining]
     return v

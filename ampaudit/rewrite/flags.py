@@ -4,7 +4,7 @@
     flags = flag_nodes(audit.capture.gm, audit.report.findings + hits)     # {node: [rule ids]}
 
 A finding with a ``node`` flags that node. A measured finding (``check --calibrate``: range / nonfinite /
-divergence) names a module: every node whose ``meta["ampaudit_module"]`` is that module or below it is flagged
+divergence) names a module: every node whose module (``MODULE_KEY``) is that module or below it is flagged
 (for the top module, only its own ops: "and below" would be the whole model). A constant finding also flags the
 ops that carry the constant to the op that would turn its -inf into NaN (the additive mask's add, the softmax),
 so the constant never exists in the low dtype.
@@ -19,16 +19,7 @@ import torch.fx as fx
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.fx_capture import MODULE_KEY
 from ampaudit.findings import SEVERITY_RANK, Finding
-from ampaudit.rewrite.op_sets import (
-    INPLACE_OPERATORS,
-    ISLAND_FAMILIES,
-    MASK_CARRIERS,
-    MASK_CONSUMERS,
-    MODULE_FAMILIES,
-    NOT_ISLANDED,
-    RANDOM,
-    RANDOM_MODULES,
-)
+from ampaudit.rewrite.op_sets import INPLACE_OPERATORS, MASK_CARRIERS, MASK_CONSUMERS, RANDOM, RANDOM_MODULES
 
 # How far the constant walk follows a mask before giving up (a mask reaches its softmax in a few ops).
 MASK_WALK_LIMIT = 8
@@ -94,10 +85,9 @@ def _in_module(path: str, module: str) -> bool:
 
 
 def island_findings(findings: Iterable[Finding], min_severity: str = "warning") -> list[Finding]:
-    """The findings an island fixes: island families, at or above ``min_severity``, not buffer findings."""
+    """The findings an island fixes (their rule's autofix kind is "island"), at or above ``min_severity``."""
     floor = SEVERITY_RANK[min_severity]
-    return [f for f in findings if f.family in ISLAND_FAMILIES and f.rule not in NOT_ISLANDED
-            and SEVERITY_RANK.get(f.severity, 0) >= floor]
+    return [f for f in findings if f.autofix.get("kind") == "island" and SEVERITY_RANK.get(f.severity, 0) >= floor]
 
 
 def flag_nodes(gm: fx.GraphModule, findings: Sequence[Finding], *, root: torch.nn.Module | None = None,
@@ -119,7 +109,7 @@ def flag_nodes(gm: fx.GraphModule, findings: Sequence[Finding], *, root: torch.n
             rules.append(rule)
 
     for f in island_findings(findings, min_severity):
-        if f.family in MODULE_FAMILIES or f.node is None:
+        if f.node is None:            # a measured finding names a module, not a node
             for n in gm.graph.nodes:
                 if _in_module(n.meta.get(MODULE_KEY, ""), f.module):
                     flag(n, f.rule)
@@ -181,7 +171,6 @@ def every_hit(aud, *, select: Sequence[str] | None = None, ignore: Sequence[str]
 
     ctx = MatchContext(gm=aud.capture.gm, root=aud.capture.root, policy=aud.policy)
     rules = [r for r in load_rules(list(rules_dirs))
-             if r.family in ISLAND_FAMILIES and r.family not in MODULE_FAMILIES and r.id not in NOT_ISLANDED
-             and rule_selected(r, list(select or []), list(ignore or []))]
+             if r.autofix.get("kind") == "island" and rule_selected(r, list(select or []), list(ignore or []))]
     findings, _ = run_rules(ctx, rules)
     return [f for f in findings if f.node is not None]

@@ -20,6 +20,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.fx_capture import MODULE_KEY
 from ampaudit.rewrite.flags import holds_tensors, is_effectful, is_tensor_node, op_of
 from ampaudit.rewrite.op_sets import CHEAP
@@ -65,7 +66,7 @@ def is_cheap(node: fx.Node) -> bool:
 
 def is_scalar_node(node: fx.Node) -> bool:
     """A node computing a Python value (shape, dtype, int) rather than a tensor."""
-    return "amp" in node.meta and node.meta["amp"].value is not None and not is_tensor_node(node) \
+    return AMP_KEY in node.meta and node.meta[AMP_KEY].value is not None and not is_tensor_node(node) \
         and not holds_tensors(node)
 
 

@@ -6,16 +6,6 @@ constant, which must never move or be merged across. Plain data, keyed by the ca
 """
 from __future__ import annotations
 
-# Families whose findings an FP32 island fixes (alignment is --pad's business).
-ISLAND_FAMILIES = frozenset({"sensitive-op", "normalization", "constant", "range", "nonfinite", "divergence"})
-
-# Runtime families: their findings name a module, not a node; every node of that module (or below) is flagged.
-MODULE_FAMILIES = frozenset({"range", "nonfinite", "divergence"})
-
-# Rules an island cannot fix: a buffer beyond fp16's range overflows when the *model* is cast to half, whatever
-# dtype the op computes in. They are reported, not rewritten.
-NOT_ISLANDED = frozenset({"AMP303"})
-
 # Elementwise ops: one output element from the same element of each input, so running them in fp32 costs
 # bandwidth only. They join an island when they sit between two flagged nodes.
 ELEMENTWISE = frozenset({

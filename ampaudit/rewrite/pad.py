@@ -33,7 +33,6 @@ from ampaudit.rewrite.flags import op_of
 # Ops a padded feature may pass through on its way to the next Linear: elementwise on one tensor.
 PASS_THROUGH = frozenset({"relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "elu", "mish", "hardswish",
                           "dropout", "mul", "div", "add", "sub", "neg", "identity"})
-PAD_RULES = {"AMP101": "linear", "AMP102": "conv", "AMP103": "embedding"}
 
 
 @dataclass
@@ -75,11 +74,11 @@ def _targets(findings: list[Finding]) -> dict[str, dict[str, int]]:
     """module path -> {dim name: padded size} from the alignment findings on call_module nodes."""
     out: dict[str, dict[str, int]] = {}
     for f in findings:
-        if f.rule not in PAD_RULES or f.node is None:
+        if f.autofix.get("kind") != "pad" or f.node is None:
             continue
         dim, padded = f.details.get("dim"), f.details.get("padded")
-        if f.rule == "AMP103" and dim != "num_embeddings":
-            continue  # a wider embedding only moves the misalignment to every GEMM that reads it
+        if "dims" in f.autofix and dim not in f.autofix["dims"]:
+            continue  # the rule pads only these (a wider embedding only moves the misalignment to every reader)
         if isinstance(dim, str) and isinstance(padded, int):
             out.setdefault(f.module, {})[dim] = padded
     return out

@@ -59,7 +59,8 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     return Finding(rule=rule.id, name=rule.name, family=rule.family, severity=severity,
                    module=module, op=op, message=message, fix=fix, why=" ".join(why.split()),
                    location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
-                   code=src.code if src else "", node=node.name if node is not None else None)
+                   code=src.code if src else "", node=node.name if node is not None else None,
+                   autofix=dict(rule.autofix))
 
 
 def _first_node_of(ctx: MatchContext, module: str):

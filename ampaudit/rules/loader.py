@@ -23,7 +23,10 @@ FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "
 SEVERITIES = ("info", "warning", "error")
 REQUIRED = {"id": str, "name": str, "family": str, "severity": str, "matcher": str, "message": str, "why": str}
 OPTIONAL = {"fix": str, "references": list, "upcast_severity": str, "ops": list, "check": str, "reduction": bool,
-            "variants": dict, "min_share": float}
+            "variants": dict, "min_share": float, "autofix": dict}
+# How ``ampaudit fix`` treats a rule's findings: ``kind`` names a registered fixer (ampaudit/rewrite/fixers.py) or
+# "none"; ``safety`` is ruff's: safe fixes leave FP32 results unchanged, unsafe ones may change them.
+SAFETIES = ("safe", "unsafe")
 # What a variant (``[rule.variants.NAME]``) may override; severity "off" drops the hit.
 VARIANT_KEYS = {"severity": str, "message": str, "why": str, "fix": str}
 
@@ -44,6 +47,11 @@ class Rule:
 
     def param(self, key: str, default: Any = None) -> Any:
         return self.params.get(key, default)
+
+    @property
+    def autofix(self) -> dict:
+        """``{"kind": ..., "safety": ..., **fixer parameters}``; kind "none" when fix leaves the rule alone."""
+        return self.params.get("autofix", {"kind": "none"})
 
     def variant(self, name: str | None) -> dict:
         """The overrides of variant ``name`` (``{}`` for None or a name the rule does not define)."""
@@ -83,6 +91,13 @@ def _validate(raw: dict, where: str, matchers: dict) -> Rule:
         raise RuleError(f"{where}: rule {rid}: key 'matcher' names unknown matcher {raw['matcher']!r}",
                         hint=f"use one of {', '.join(sorted(matchers))}")
     _check_templates(raw, f"{where}: rule {rid}", m)
+    autofix = raw.get("autofix", {"kind": "none"})
+    if not isinstance(autofix.get("kind"), str):
+        raise RuleError(f"{where}: rule {rid}: key 'autofix' needs a kind", hint='e.g. autofix = {kind = "island", '
+                        'safety = "safe"}, or {kind = "none"}')
+    if autofix["kind"] != "none" and autofix.get("safety") not in SAFETIES:
+        raise RuleError(f"{where}: rule {rid}: key 'autofix' needs safety = \"safe\" or \"unsafe\"",
+                        hint="safe: the fix leaves FP32 results unchanged; unsafe: it may change them")
     for name, variant in raw.get("variants", {}).items():
         at = f"{where}: rule {rid}: variant {name!r}"
         if not isinstance(variant, dict):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.fx_capture import MODULE_KEY, SourceLoc
 from ampaudit.policy import Policy
 
@@ -48,7 +49,7 @@ class MatchContext:
 
     def nodes(self) -> Iterator[fx.Node]:
         for n in self.gm.graph.nodes:
-            if "amp" in n.meta and n.op in ("call_module", "call_function", "call_method"):
+            if AMP_KEY in n.meta and n.op in ("call_module", "call_function", "call_method"):
                 yield n
 
     def owner(self, node: fx.Node) -> torch.nn.Module | None:
