@@ -31,6 +31,7 @@ class Finding:
     code: str = ""                        # the source line itself, for the console
     node: str | None = None               # name of the fx node it was found on (what `fix` rewrites)
     autofix: dict = field(default_factory=lambda: {"kind": "none"})   # the rule's: how `fix` treats it
+    fix_nodes: list[str] = field(default_factory=list)                 # more nodes the fix changes with `node`
 
     def as_dict(self) -> dict:
         return {"rule": self.rule, "name": self.name, "family": self.family, "severity": self.severity,

@@ -61,7 +61,9 @@ def kernels() -> dict:
     data = read_toml(rules_dir() / "policy" / "kernels.toml")
     hazard = {op: name for name, ops in data.get("hazard", {}).items() for op in ops}
     return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", [])),
-            "half_params": frozenset(data.get("half_params", {}).get("ops", []))}
+            "half_params": frozenset(data.get("half_params", {}).get("ops", [])),
+            "depth_ops": frozenset(data.get("depth", {}).get("ops", [])),
+            "min_depth": int(data.get("depth", {}).get("min_depth", 0))}
 
 
 def kernel_hazard(op: str, dtype: torch.dtype) -> str | None:

@@ -70,7 +70,8 @@ CASES = [
     ("AMP201", (Proj(lambda h: F.softmax(h, -1)), X16), (nn.Sequential(nn.Softmax(-1)), X16), "cuda", "info"),
     ("AMP202", (Proj(lambda h: torch.exp(h)), X16), (Proj(lambda h: torch.exp(h.float())), X16), "cpu", "warning"),
     ("AMP203", (Proj(lambda h: h.sum()), torch.randn(6000, 16)), (Proj(lambda h: h.float().sum()), torch.randn(6000, 16)), "cpu", "warning"),
-    ("AMP203", (Proj(lambda h: h.sum()), X16), (Proj(lambda h: h.float().sum()), X16), "cpu", "warning"),
+    # 64 terms pass 65504 only if they average above 1024: an info; from 4096 terms on, a warning.
+    ("AMP203", (Proj(lambda h: h.sum()), X16), (Proj(lambda h: h.float().sum()), X16), "cpu", "info"),
     ("AMP203", (Proj(lambda h: h.mean(-1)), X16), (Proj(lambda h: h.float().mean(-1)), X16), "cpu", "info"),
     ("AMP203", (Proj(lambda h: h.var(-1)), X16), (Proj(lambda h: h.float().var(-1)), X16), "cuda", "warning"),
     ("AMP204", (Proj(lambda h: F.cosine_similarity(h, h)), X16), (Proj(lambda h: F.mse_loss(h, h)), X16), "cpu", "info"),
@@ -162,7 +163,7 @@ def test_module_is_the_one_whose_code_runs_the_op():
 
     found = hits(Outer(), X16, device="cpu")
     assert ("AMP202", "warning", "block.0") in found
-    assert ("AMP203", "warning", "") in found
+    assert ("AMP203", "info", "") in found            # a sum of 64 terms: the top module's own op
 
 
 @pytest.mark.parametrize("name, device, rule, module", [

@@ -118,6 +118,9 @@ def flag_nodes(gm: fx.GraphModule, findings: Sequence[Finding], *, root: torch.n
         if node is None:
             continue
         flag(node, f.rule)
+        for name in f.fix_nodes:       # what the hazard really comes from (a cumsum a subtraction reads)
+            if name in by_name:
+                flag(by_name[name], f.rule)
         if f.family == "constant":
             for n in _mask_path(node):
                 flag(n, f.rule)

@@ -60,7 +60,7 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
                    module=module, op=op, message=message, fix=fix, why=" ".join(why.split()),
                    location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
                    code=src.code if src else "", node=node.name if node is not None else None,
-                   autofix=dict(rule.autofix))
+                   autofix=dict(rule.autofix), fix_nodes=[n.name for n in hit.also])
 
 
 def _first_node_of(ctx: MatchContext, module: str):

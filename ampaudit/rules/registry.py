@@ -36,6 +36,8 @@ class Hit:
     # A named case of the rule (its ``[rule.variants.NAME]`` table): the severity, message, why and fix that
     # are true for what this hit is (BatchNorm with fp32 parameters is not BatchNorm with half ones).
     variant: str | None = None
+    # Nodes a fix must change too, beyond ``node`` (the cumsum whose partial sums a subtraction reads).
+    also: tuple = ()
 
 
 @dataclass

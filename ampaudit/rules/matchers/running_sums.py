@@ -179,9 +179,10 @@ def _hit(node: fx.Node, cum: fx.Node, dim: int, window: int | None, one_sign: bo
     if window is None:
         details["error_note"] = (f"; for terms of one sign a window of w is off by up to {eps * depth:.3g} / w of "
                                  f"its value")
-        return Hit(node, details, variant="unproven")
+        return Hit(node, details, variant="unproven", also=(cum,))
     bound = eps * depth / window
     details["error_note"] = f"; for terms of one sign each window sum is off by up to {bound:.0%} of its value"
     if not one_sign:
-        return Hit(node, details, variant="unproven")
-    return Hit(node, details, variant=None if bound >= threshold else "small")
+        return Hit(node, details, variant="unproven", also=(cum,))
+    # The fix is the cumsum's: its partial sums must be stored in fp32 before they are subtracted.
+    return Hit(node, details, variant=None if bound >= threshold else "small", also=(cum,))

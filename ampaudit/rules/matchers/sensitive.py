@@ -18,7 +18,7 @@ from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.policy import kernel_hazard, kernels
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
-FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note"}
+FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note", "per_term"}
 
 
 def _dim_arg(node: fx.Node):
@@ -91,21 +91,27 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
         low_inputs = any(ctx.is_low(d) for d in info.input_dtypes if d is not None)
         depth = reduction_depth(ctx, node)
         details = {"compute_dtype": _short(info.compute_dtype), "depth": depth if depth is not None else "?",
-                   "overflow_note": _overflow_note(ctx, node), "policy_note": ""}
+                   "overflow_note": _overflow_note(ctx, node), "policy_note": "",
+                   "per_term": f"{ctx.policy.limits.max / depth:.3g}" if depth else "?"}
         if ctx.is_low(info.compute_dtype):
             if info.category is None and ctx.policy.device == "cpu" and ctx.policy.table and _upcast_on_cuda(info.op):
                 details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
-            yield Hit(node, details, variant=_variant(ctx, node, info))
+            yield Hit(node, details, variant=_variant(ctx, node, info, depth))
         elif info.category in ("fp32", "fp32_output") and low_inputs and upcast_sev != "off":
             details["policy_note"] = f" ({ctx.policy.device.upper()} autocast upcasts it from {_short(ctx.policy.low)}: safe, one cast)"
             yield Hit(node, details, severity=upcast_sev, variant="upcast")
 
 
-def _variant(ctx: MatchContext, node: fx.Node, info) -> str | None:
-    if info.op in kernels()["half_params"] and _half_params(ctx, node):
+def _variant(ctx: MatchContext, node: fx.Node, info, depth: int | None) -> str | None:
+    k = kernels()
+    if info.op in k["half_params"] and _half_params(ctx, node):
         return "half_params"
     hazard = kernel_hazard(info.op, info.compute_dtype)
-    return "accumulates" if hazard == "storage" else None
+    if hazard == "storage":
+        return "accumulates"
+    if hazard == "range" and info.op in k["depth_ops"] and depth is not None and depth < k["min_depth"]:
+        return "short"
+    return None
 
 
 def _half_params(ctx: MatchContext, node: fx.Node) -> bool:
