@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import CaptureError
+from ampaudit.wrappers import unwrap
 
 MODULE_KEY = "ampaudit_module"
 SOURCE_KEY = "ampaudit_source"
@@ -206,18 +207,10 @@ def _wrap_leaf(inner: nn.Module) -> nn.Module:
     return cls(inner)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP / DataParallel / FSDP-style wrappers keep the real model in .module; names are relative to it.
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and type(model).__name__ in (
-            "DistributedDataParallel", "DataParallel"):
-        model = model.module
-    return model
-
-
 def capture(model: nn.Module, *, concrete_args: dict | None = None,
             leaf_types: tuple[type, ...] = ()) -> Capture:
     """Trace ``model`` with torch.fx; raise CaptureError naming the user's line when tracing fails."""
-    model = _unwrap(model)
+    model = unwrap(model)
     tracer = AuditTracer(leaf_types)
     if tracer.is_leaf_module(model, ""):
         model = _wrap_leaf(model)

@@ -20,7 +20,8 @@ import typer
 
 from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import AmpAuditError, TrainError, TrainingHalted, UsageError
-from ampaudit.train.checkpoint import LAST, atomic_write
+from ampaudit.fileio import atomic_write
+from ampaudit.train.checkpoint import LAST
 
 
 def _hooks(loaded) -> tuple:

@@ -25,6 +25,7 @@ from ampaudit.capture.fx_capture import MODULE_KEY
 from ampaudit.rewrite.fixers import FIXERS, FixJob, island_devices, of_kind
 from ampaudit.rewrite.flags import island_findings
 from ampaudit.rewrite.report import FixReport
+from ampaudit.wrappers import unwrap
 from ampaudit.rewrite.verify import runtime_device, verify_outputs
 
 KEEP_FP32_HINT = ("keep your eager model and run the flagged modules in fp32 with "
@@ -45,13 +46,6 @@ class FixResult:
         return iter((self.module, self.changes, self.report))
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    while type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
-            getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
 def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         select: Sequence[str] | None = None, ignore: Sequence[str] | None = None, pad: bool = False,
         verify: bool = True, calibrate: bool = False, rules_dirs: Sequence[str | Path] = (),
@@ -61,7 +55,7 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
 
     if not isinstance(model, nn.Module):
         raise UsageError(f"fix() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
-    original = _unwrap(model)
+    original = unwrap(model)
     if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
         raise UsageError("fix needs the model's weights, but they are on the meta device",
                          hint="build the model with real weights (check audits meta models; fix rewrites and verifies)")

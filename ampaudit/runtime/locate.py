@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.capture.fx_capture import is_user_file
+from ampaudit.wrappers import unwrap
 
 _TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -79,12 +80,6 @@ def module_names(root: nn.Module) -> dict[nn.Module, str]:
     for name, mod in root.named_modules():
         names.setdefault(mod, name)
     return names
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The wrapped module of DistributedDataParallel / DataParallel, else the model itself."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
 
 
 class ModuleStack:

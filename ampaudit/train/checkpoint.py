@@ -11,16 +11,15 @@ renamed over the old one: a kill at any instant leaves either the previous check
 """
 from __future__ import annotations
 
-import os
 import pickle
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ampaudit.errors import TrainError
+from ampaudit.fileio import atomic_write
 
 CHECKPOINT_VERSION = 1
 LAST = "last.pt"          # the latest periodic / interrupt checkpoint, what --resume reads
@@ -28,56 +27,11 @@ HALTED = "halted.pt"      # written when the loss scaler halts the run; last.pt 
 DIAGNOSIS = "halt.json"
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is; some filesystems refuse O_RDONLY on dirs.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Any) -> Path:
-    """Call ``write(file_object)`` on a temporary file next to ``path``, fsync it, and rename it to ``path``.
-
-    Like ``ampaudit.fileio.atomic_write_bytes``, but streaming: ``torch.save`` writes straight to the file, so a
-    checkpoint of many GB is never held in memory a second time as bytes.
-    """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise TrainError(f"cannot write {path}: {exc.strerror}", hint="choose a writable location") from exc
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        # mkstemp files are private (0600); the result gets the mode any new file would.
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
 def save_checkpoint(state: dict[str, Any], path: Path) -> Path:
     """Write ``state`` atomically with ``torch.save``; return the path."""
     state = {"version": CHECKPOINT_VERSION, **state}
-    return atomic_write(Path(path), lambda fh: torch.save(state, fh))
+    return atomic_write(Path(path), lambda fh: torch.save(state, fh), error=TrainError,
+                        hint="choose a writable location")
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

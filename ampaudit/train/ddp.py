@@ -104,8 +104,3 @@ def teardown() -> None:
     """Leave the process group, if this process joined one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
