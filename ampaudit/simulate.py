@@ -183,8 +183,10 @@ class _EmulateLowKernels(TorchDispatchMode):
                 continue
             if id(t) in originals:
                 flat[i] = originals[id(t)]
-            elif t.dtype == torch.float32 and (want[i] if want else low) in _LOW:
-                flat[i] = t.to(want[i] if want else low)
+            elif want and want[i] is not None and want[i] != t.dtype:
+                flat[i] = t.to(want[i])            # float16, or complex32 (polar)
+            elif not want and t.dtype == torch.float32 and low in _LOW:
+                flat[i] = t.to(low)
         message = (f"CUDA simulation: CPU has no {missing.group(1)} kernel for {func.overloadpacket}; it ran in "
                    f"float32, rounded to {str(low).replace('torch.', '')}")
         if message not in self.notes:
