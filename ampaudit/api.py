@@ -8,10 +8,12 @@ never read, so a meta-device model works), runs the rules and returns a :class:`
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AmpProp
@@ -22,6 +24,8 @@ from ampaudit.policy import Policy
 from ampaudit.rules.engine import relative_location, run_rules
 from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
+from ampaudit.notes import collect
+from ampaudit.quiet import quiet
 from ampaudit.runtime.locate import buffer_snapshot
 
 
@@ -75,13 +79,17 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
         prop = AmpProp(cap.gm, policy)
         g_args, g_kwargs = cap.graph_inputs(args, kwargs)
-        prop.propagate(*g_args, **g_kwargs)
+        with quiet():                      # fake kernels (torchvision's) warn while shapes propagate
+            prop.propagate(*g_args, **g_kwargs)
     finally:
         restore()
     _require_tensor_output(cap)
     ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy)
+    skipped: list[str] = []
     if calibrate:
-        ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy, loss_fn)
+        # What a statistic or the simulation had to skip is said in the report, not raised.
+        with collect() as skipped, quiet():
+            ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy, loss_fn)
     findings, suppressed = run_rules(ctx, active)
     if base_dir is not None:
         for f in findings:
@@ -91,6 +99,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     if ctx.calibration is not None:
         sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
         report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}")
+        report.notes.extend(skipped)
     report.notes.extend(f"{cap.mode} capture used; {note}" for note in cap.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
@@ -124,6 +133,11 @@ def _require_tensor_output(cap: Capture) -> None:
         kinds = sorted({type(a).__name__ for a in leaves})
         raise InputError(f"the forward returns {', '.join(kinds)}, not tensors",
                          hint="return the model's output tensor(s) from forward")
+    def holds_tensors(n) -> bool:          # a dataclass of tensors (fx records its construction as one node)
+        value = n.meta[AMP_KEY].value
+        return dataclasses.is_dataclass(value) and any(
+            isinstance(getattr(value, f.name, None), torch.Tensor) for f in dataclasses.fields(value))
+
     if nodes and all(AMP_KEY in n.meta and n.meta[AMP_KEY].shape is None and n.meta[AMP_KEY].error is None
-                     and n.op != "placeholder" for n in nodes):
+                     and n.op != "placeholder" and not holds_tensors(n) for n in nodes):
         raise InputError("the forward returns no tensors", hint="return the model's output tensor(s) from forward")

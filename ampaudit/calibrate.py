@@ -6,22 +6,21 @@
     cal.buffers       # running statistics beyond the dtype's range
 
 There is no GPU here, so every run is on CPU. A CPU target runs under CPU autocast as it is. A CUDA target is
-simulated: CPU autocast lowers the GEMMs as CUDA's does, and :class:`PolicyUpcast` runs the ops CUDA autocast
-keeps in fp32 (softmax, exp, pow, sum, layer_norm, ...) in fp32, so the numbers follow CUDA's policy table.
+simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
+in fp32 (softmax, exp, pow, sum, norm, layer_norm, ...) run in fp32 however the model reaches them, so the numbers
+follow CUDA's policy table.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
-
-from ampaudit.policy import Policy, op_names
-from ampaudit.simulate import PolicyUpcast, simulation  # noqa: F401  (calibrate's public names)
+from ampaudit.policy import Policy
+from ampaudit.runtime.locate import float_tensors
+from ampaudit.simulate import simulation
 
 
 @dataclass
@@ -104,8 +103,7 @@ def _loss(loss_fn, target) -> Callable[[Any], torch.Tensor]:
         return lambda out: loss_fn(out, target)
 
     def total(out):
-        parts = [t.float().sum() for t in tree_flatten(out)[0]
-                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        parts = [t.float().sum() for t in float_tensors(out) if t.requires_grad]   # dataclass outputs too
         return torch.stack(parts).sum() if parts else None
     return total
 

@@ -66,6 +66,17 @@ def kernels() -> dict:
             "min_depth": int(data.get("depth", {}).get("min_depth", 0))}
 
 
+def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float]:
+    """(warning, error) relative-L2 thresholds of a module's own error in ``dtype``: multiples of its unit
+    roundoff (rules/policy/settings.toml [calibration]); fp16 when the dtype is unknown or not 16-bit."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize >= 4:
+        dtype = torch.float16
+    cfg, u = settings()["calibration"], float(torch.finfo(dtype).eps) / 2
+    return cfg["divergence_warning_u"] * u, cfg["divergence_error_u"] * u
+
+
 def kernel_hazard(op: str, dtype: torch.dtype) -> str | None:
     """What remains hazardous when ``op``'s kernel runs on ``dtype`` tensors: "range", "conditioning",
     "storage", or None for ops the table does not know. A range hazard in a dtype with fp32's range (bf16) is

@@ -119,3 +119,27 @@ def test_a_finite_bf16_fault_is_ranked_first_by_own_error():
     assert div[0].details["rank"] == 1 and div[0].details["units"] > 100
     assert "first crosses" in div[0].message and "at offset" in div[0].message
     assert not [f for f in div if f.module in ("a", "b")]         # GEMMs stay within a few unit roundoffs
+
+
+def test_a_dataclass_output_is_audited_and_calibrated_backward_too():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        norm: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.dist = SqrtOfSquares()
+
+        def forward(self, x):
+            h = self.fc(x)
+            return Out(h, self.dist(h * 1e-5))
+
+    torch.manual_seed(0)
+    report = ampaudit.check(Net(), torch.randn(4, 8), device="cpu", dtype="float16", calibrate=True)
+    found = nonfinite(report)
+    assert found and found[0].module == "dist" and "backward" in found[0].message

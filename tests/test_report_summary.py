@@ -47,7 +47,9 @@ def test_divergence_ranks_the_drifting_module_first(run_summary):
     assert div["scope"] == "local" and div["modules"] == 6 and len(div["top"]) == 3
     worst = div["top"][0]
     assert worst["module"] == "blocks.1.attn"
-    assert worst["max_rel_l2"] > 0.05 and worst["max_step"] == 300 and worst["drift_step"] == 250
+    # An fp16 run: own error is judged against 32 unit roundoffs (1.6%), which the module passes from step 150.
+    assert div["threshold"] == pytest.approx(32 * 2 ** -11)
+    assert worst["max_rel_l2"] > 0.05 and worst["max_step"] == 300 and worst["drift_step"] == 150
     assert [r["max_rel_l2"] for r in div["top"]] == sorted((r["max_rel_l2"] for r in div["top"]), reverse=True)
     assert div["grad_top"][0]["param"] == "blocks.1.attn.weight"
 

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ampaudit.errors import InputError
+from ampaudit.policy import divergence_thresholds
 
 THRESHOLDS: dict[str, float] = {
     # Forward activations within 2x of the dtype's largest value: the next larger batch overflows.
     "low_headroom_bits": 1.0,
-    # Relative L2 error a module adds on its own versus FP32; above this the module is worth an fp32 island.
-    "high_rel_l2": 0.05,
     # Consecutive skipped steps at the start that mean the initial scale was too high.
     "startup_skips": 3,
     # A loss scale at or below 2**this means gradients overflow even unscaled.
@@ -82,9 +81,10 @@ def _evidence(summary: dict, data: Any, all_divergence: list[dict], all_headroom
         if bits is not None and bits < t["low_headroom_bits"]:
             ev.setdefault(row["module"], []).append(
                 f"forward headroom {_bits(bits)} at step {row['forward_step']}")
+    high = divergence_thresholds(data.meta.get("dtype"))[0]
     for row in all_divergence:
         v = row["max_rel_l2"]
-        if v is not None and not (v < t["high_rel_l2"]):
+        if v is not None and not (v < high):
             ev.setdefault(row["module"], []).append(
                 f"{row['scope']} rel_l2 {v:.3g} vs FP32 at step {row['max_step']}")
     return ev

@@ -69,7 +69,7 @@ def _run_lines(s: dict) -> list[tuple[str, str]]:
 def _divergence_table(div: dict) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col, just in (("module", "left"), ("max rel_l2", "right"), ("at step", "right"), ("last", "right"),
-                      ("min SQNR dB", "right"), (f"above {THRESHOLDS['high_rel_l2']:g} from", "right")):
+                      ("min SQNR dB", "right"), (f"above {div.get('threshold', 0.05):.3g} from", "right")):
         t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
     for r in div["top"]:
         t.add_row(escape(r["module"] or "<top>"), fmt(r["max_rel_l2"]), str(r["max_step"] or "-"),

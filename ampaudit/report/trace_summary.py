@@ -305,14 +305,17 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
               findings: list[dict] | None = None, trace: str | None = None) -> dict:
     """The summary dict of a run. ``findings`` (from ``ampaudit check --format json``) lets the
     recommendations name the check findings the run confirmed. ``top`` bounds the module tables."""
-    from ampaudit.report.trace_advice import THRESHOLDS, recommend  # advice reads the summary built here
+    from ampaudit.policy import divergence_thresholds
+    from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
     top = max(1, int(top))
     first_nonfinite, nonfinite = _nonfinite_summary(data)
     scope = data.divergence_scope()
-    tables = divergence_table(data, THRESHOLDS["high_rel_l2"])
+    # Own error is judged against the run's dtype: 1.6% is a fault in fp16 and rounding noise in bf16.
+    high = divergence_thresholds(data.meta.get("dtype"))[0]
+    tables = divergence_table(data, high)
     headroom = headroom_table(data)
     summary: dict[str, Any] = {
         "version": SUMMARY_VERSION,
@@ -326,7 +329,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "nonfinite": nonfinite,
         "divergence": {"scope": scope, "modules": len(tables.get(scope, [])) if scope else 0,
                        "top": tables.get(scope, [])[:top] if scope else [],
-                       "grad_top": tables.get("grad", [])[:top]},
+                       "grad_top": tables.get("grad", [])[:top], "threshold": high},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,

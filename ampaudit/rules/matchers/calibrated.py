@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from ampaudit.capture.fx_capture import SourceLoc
-from ampaudit.policy import settings
+from ampaudit.policy import divergence_thresholds, settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
@@ -97,12 +97,6 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2
-
-
-def divergence_thresholds(dtype: torch.dtype) -> tuple[float, float]:
-    """(warning, error) relative-L2 thresholds of a module's own error in ``dtype`` (rules/policy/settings.toml)."""
-    cfg, u = settings()["calibration"], unit_roundoff(dtype)
-    return cfg["divergence_warning_u"] * u, cfg["divergence_error_u"] * u
 
 
 def first_jump(cal, warn: float) -> str | None:
