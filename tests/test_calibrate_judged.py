@@ -143,3 +143,35 @@ def test_a_dataclass_output_is_audited_and_calibrated_backward_too():
     report = ampaudit.check(Net(), torch.randn(4, 8), device="cpu", dtype="float16", calibrate=True)
     found = nonfinite(report)
     assert found and found[0].module == "dist" and "backward" in found[0].message
+
+
+def test_a_module_whose_re_run_raises_costs_its_own_error_only():
+    class OnceOnly(nn.Module):
+        """Raises when called twice (a stateful module): the local re-run cannot run it."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls > 2:                    # the autocast run and the FP32 shadow are allowed
+                raise RuntimeError("called again")
+            return x * 2
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.once = OnceOnly()
+
+        def forward(self, x):
+            return self.once(self.fc(x))
+
+    from ampaudit.notes import collect
+    from ampaudit.runtime.compare import compare_to_fp32
+
+    with collect() as notes:
+        rows = compare_to_fp32(Net(), (torch.randn(4, 8),), {}, dtype=torch.bfloat16)
+    assert {r["module"] for r in rows} >= {"fc", "once"}
+    assert any("own error of once skipped" in n for n in notes)

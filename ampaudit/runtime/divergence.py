@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from torch.nn.modules.module import register_module_forward_hook
 
+from ampaudit.notes import note
 from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
@@ -253,8 +254,6 @@ class DivergenceProbe:
                     amax = torch.stack([r.abs().amax().float() for r in sized]).amax()
                     self._range.append((name, counts, amax))
             except Exception as exc:
-                from ampaudit.notes import note
-
                 note(f"range statistics of {name or 'the top module'} skipped: {type(exc).__name__}: "
                      f"{' '.join(str(exc).split())[:120]}")
         if not self._run_local_now:
@@ -269,7 +268,11 @@ class DivergenceProbe:
             if [t._version for t in flat] == versions:
                 dtypes = self._in_dtypes.get(name, [])
                 a = rounded_to(a, dtypes[call]) if call < len(dtypes) else a
-                self._run_local(mod, a, k, state, cuda_state, refs, tag)
+                try:
+                    self._run_local(mod, a, k, state, cuda_state, refs, tag)
+                except Exception as exc:  # noqa: BLE001 - one module's re-run costs its own error, not the check
+                    note(f"own error of {name or 'the top module'} skipped: its re-run on its real input dtypes "
+                         f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
 
     def _low_fed(self, name: str, call: int) -> bool:
         # A neutral module fed fp32 stays fp32 (own error 0 without a re-run); fed fp16/bf16 it computes there.
