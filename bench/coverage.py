@@ -3,6 +3,7 @@
     python bench/coverage.py                                   # every family (see BENCHMARKS.md for the time)
     python bench/coverage.py --families torchvision-cls --limit 3 --workers 1     # a smoke run
     python bench/coverage.py --json rows.json --markdown       # per-model rows, and tables for BENCHMARKS.md
+    python bench/coverage.py --calibrate                       # also check --calibrate on every model
 
 Families: all torchvision classification models, every torchvision detection and segmentation model, the
 ``--timm-count`` smallest-sounding timm models taken round-robin over timm's modules (one architecture each
@@ -133,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the per-model rows here")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown (for BENCHMARKS.md)")
     p.add_argument("--quiet", action="store_true", help="no line per model while running")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also run check --calibrate (real weights, forward and backward) on every model")
     args = p.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in args.families if f not in FAMILIES]
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     done: list[dict] = []
     meta = {"versions": versions(), "families": args.families, "limit": args.limit, "timm_count": args.timm_count,
             "timeout": args.timeout, "workers": args.workers, "argv": sys.argv[1:]}
-    rows = run_all(specs, workers=args.workers, timeout=args.timeout,
+    stages = STAGES + (("calibrate",) if args.calibrate else ())
+    rows = run_all(specs, workers=args.workers, timeout=args.timeout, stages=stages,
                    on_row=_progress(done, len(specs), args.quiet, args.json, meta))
     wall = time.perf_counter() - start
     meta["wall_s"] = round(wall, 1)
@@ -206,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(partial)} complete audit(s) with nodes of unknown shape: {', '.join(partial)}")
     for line in bad:
         print(f"incomplete audit: {line}")
+    if args.calibrate:
+        eager = [r for r in rows if r["eager"]]
+        calibrated = [r for r in eager if (r.get("detail") or {}).get("calibrate")]
+        print(f"check --calibrate completed on {len(calibrated)}/{len(eager)} models")
+        for r in eager:
+            if r not in calibrated:
+                print(f"incomplete calibration: {r['family']}/{r['model']}: {r['errors'].get('calibrate', 'not run')}")
+        bad = bad or len(calibrated) < len(eager)
     return 1 if bad else 0
 
 
