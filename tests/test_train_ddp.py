@@ -57,3 +57,33 @@ def test_two_rank_halt_stops_every_rank_with_exit_3(tmp_path):
     assert done.stderr.count("error: training halted at step 3") == 1      # rank 0 alone reports
     assert torch.load(ckpt / "halted.pt", weights_only=True)["step"] == 3
     assert (ckpt / "halt.json").is_file()
+
+
+API_SCRIPT = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {assets!r})
+import train_mlp as mlp
+from ampaudit.train import Trainer
+with Trainer(mlp.deterministic_model(), mlp.loss_fn, mlp.train_data, optimizer=mlp.make_optimizer,
+             dtype="float16", accum=2, handle_signals=False) as t:
+    result = t.fit(steps=2)
+    world = t.dist.world_size
+print("rank", dist.get_rank() if dist.is_initialized() else "left", "world", world, "steps", result.steps)
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_api_users_under_torchrun_need_only_the_with_block(tmp_path):
+    # The trainer joins the group, wraps in DDP, and on leaving the block waits for every rank and leaves the
+    # group it joined: no barrier or teardown for the script to copy, no hang, no abort.
+    script = tmp_path / "train_api.py"
+    script.write_text(API_SCRIPT.format(assets=str(ASSETS)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for _attempt in range(2):
+        done = subprocess.run(torchrun + [str(script)], env=env, capture_output=True, text=True, timeout=180,
+                              check=False)
+        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
+            break
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
+    assert done.stdout.count("rank left world 2 steps 2") == 2, done.stdout

@@ -10,7 +10,6 @@ and ``make_scheduler(optimizer)``). Exit codes: 0 done, 2 error, 3 halted by the
 """
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -19,7 +18,7 @@ import torch
 import typer
 
 from ampaudit.cli.app import app, cli_errors
-from ampaudit.errors import AmpAuditError, TrainError, TrainingHalted, UsageError
+from ampaudit.errors import AmpAuditError, TrainError, UsageError
 from ampaudit.fileio import atomic_write
 from ampaudit.train.checkpoint import LAST
 
@@ -83,7 +82,6 @@ def train(
 ) -> None:
     """Train a model file under mixed precision: loss scaling, clipping, accumulation, master weights, resume."""
     from ampaudit.loading import load_target
-    from ampaudit.train.ddp import barrier, teardown
     from ampaudit.train.trainer import Trainer
 
     if (steps is None) == (epochs is None):
@@ -118,21 +116,15 @@ def train(
         typer.echo(f"resuming from {last}" if last.is_file() else f"no checkpoint at {last}; starting fresh",
                    err=True)
     try:
-        result = trainer.fit(steps, epochs=epochs, resume=resume)
-        if save is not None and main:
-            _save_weights(trainer.model, save)
-        # No rank may tear the process group down while another still uses it (gloo aborts the process).
-        barrier(trainer.dist)
+        with trainer:               # on leaving: every rank waits for the others, then the group is left
+            result = trainer.fit(steps, epochs=epochs, resume=resume)
+            if save is not None and main:
+                _save_weights(trainer.model, save)
     except AmpAuditError as exc:
-        if isinstance(exc, TrainingHalted):
-            barrier(trainer.dist)   # every rank halts on the same step (their gradients are all-reduced)
         if main:
             raise
         raise typer.Exit(exc.exit_code) from None   # rank 0 alone reports; the others exit with the same code
     finally:
-        trainer.close()
-        gc.collect()   # the DDP reducer goes now, while the process group it talks to still exists
-        teardown()
         if tensorboard is not None and main and trace.is_file():  # a halted run's trace is worth plotting too
             from ampaudit.integrations.tensorboard import write_tensorboard
             from ampaudit.runtime.trace import read_trace

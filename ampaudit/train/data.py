@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ampaudit.errors import TrainError
+import torch
+
+from ampaudit.errors import TrainError, UsageError
 
 _END = object()
 
@@ -106,3 +108,41 @@ class DataStream:
                     held = batch
         self.complete = True
         yield held
+
+
+def split_batch(batch: Any, device: torch.device) -> tuple[tuple, dict, Any]:
+    """``(inputs, target)`` from ``train_data()`` as forward ``args``, ``kwargs`` and the target, on ``device``."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TrainError(f"train_data() must yield (inputs, target) pairs, got {type(batch).__name__}",
+                         hint="yield x, y where x is a tensor, a tuple of tensors or a dict")
+    inputs, target = batch
+    if device.type != "cpu":
+        inputs, target = _to(inputs, device), _to(target, device)
+    if isinstance(inputs, dict):
+        return (), inputs, target
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}, target
+    return (inputs,), {}, target
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The training device: ``device``, else cuda when available, else cpu; a bad name is a UsageError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"unknown device {device!r}", hint="use cpu or cuda") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("cuda requested but no CUDA device is available", hint='use device="cpu"')
+    return dev
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value

@@ -29,6 +29,7 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    joined: bool = False       # this process group was created by ``setup`` (so ``teardown`` may leave it)
 
     @property
     def enabled(self) -> bool:
@@ -47,7 +48,8 @@ def setup(device_type: str) -> DistContext:
     if not dist.is_available():
         raise TrainError("WORLD_SIZE > 1 but this torch build has no torch.distributed",
                          hint="run without torchrun, or install a torch build with distributed support")
-    if not dist.is_initialized():
+    joined = not dist.is_initialized()
+    if joined:
         backend = "nccl" if device_type == "cuda" else "gloo"
         try:
             dist.init_process_group(backend=backend)
@@ -55,7 +57,7 @@ def setup(device_type: str) -> DistContext:
             raise TrainError(f"cannot join the {backend} process group: {' '.join(str(exc).split())[:200]}",
                              hint="launch with torchrun --nproc-per-node N") from exc
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")), joined=joined)
 
 
 def wrap(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
@@ -100,7 +102,9 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def teardown() -> None:
-    """Leave the process group, if this process joined one."""
+def teardown(ctx: DistContext | None = None) -> None:
+    """Leave the process group ``setup`` joined (with ``ctx``), or any group this process is in (without)."""
+    if ctx is not None and not ctx.joined:
+        return          # the caller created it, the caller leaves it
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -6,10 +6,13 @@ One optimizer step = one window of ``accum`` micro-batches (per rank)::
     at the boundary:       [O2: grads to FP32 masters] -> unscale_ once -> clip in fp32 once -> scaler.step
                            -> [stepped: masters to model, scheduler.step] -> scaler.update -> zero_grad(None)
 
-    trainer = Trainer(model, loss_fn, train_data, dtype="float16", opt_level="O1", accum=4, clip_norm=1.0,
-                      checkpoint_dir="ckpt", checkpoint_every=100, trace="run.jsonl")
-    result = trainer.fit(steps=1000, resume=True)
+    with Trainer(model, loss_fn, train_data, dtype="float16", opt_level="O1", accum=4, clip_norm=1.0,
+                 checkpoint_dir="ckpt", checkpoint_every=100, trace="run.jsonl") as trainer:
+        result = trainer.fit(steps=1000, resume=True)
     torch.save(trainer.model.state_dict(), "final.pt")
+
+Under ``torchrun`` the ``with`` block is all a script needs: the trainer joins the process group (gloo on CPU,
+nccl on CUDA), wraps the model in DDP, and on leaving waits for every rank and leaves the group it joined.
 
 ``train_data`` is a function returning an iterable of ``(inputs, target)`` (inputs: a Tensor, a tuple of them, or a
 dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``optimizer`` is a factory called with the
@@ -19,6 +22,7 @@ diagnosis; SIGINT/SIGTERM end the run after the current step with a checkpoint (
 """
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import time
@@ -44,7 +48,7 @@ from ampaudit.train.checkpoint import (
     save_checkpoint,
 )
 from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
-from ampaudit.train.data import DataStream, as_factory
+from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
 from ampaudit.train.events import TrainTrace
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
@@ -119,7 +123,7 @@ class Trainer:
         self._progress_enabled = progress
         self._meta = dict(meta or {})
 
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self.dist = ddp.setup(self.device.type)
         if self.device.type == "cuda" and self.dist.enabled:
             self.device = torch.device("cuda", self.dist.local_rank)
@@ -236,9 +240,24 @@ class Trainer:
         ddp.barrier(self.dist)
         return path
 
-    def close(self) -> None:
-        """Drop the DDP wrapper; call before leaving the process group (its reducer must not outlive it)."""
+    def close(self, *, sync: bool = True) -> None:
+        """End the run's distributed state: wait for every rank (``sync``: skip it when this rank failed
+        alone, since the others may never come), drop the DDP wrapper (its reducer must not outlive the process
+        group) and leave the group if this trainer joined it. Safe to call twice; ``with Trainer(...) as t``
+        calls it, syncing unless the block raised something other than a halt (every rank halts together)."""
+        if sync and self.dist.enabled and self._forward_model is not self.model:
+            # No rank may tear the process group down while another still uses it (gloo aborts the process).
+            ddp.barrier(self.dist)
         self._forward_model = self.model
+        if self.dist.enabled:
+            gc.collect()        # the DDP reducer goes now, while the process group it talks to still exists
+            ddp.teardown(self.dist)
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(sync=exc is None or isinstance(exc, TrainingHalted))
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def fit(self, steps: int | None = None, *, epochs: int | None = None, resume: bool = False) -> TrainResult:
@@ -315,7 +334,7 @@ class Trainer:
         return loss_value
 
     def _micro_step(self, batch: Any) -> torch.Tensor:
-        args, kwargs, target = self._split(batch)
+        args, kwargs, target = split_batch(batch, self.device)
         try:
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self._autocast):
                 output = self._forward_model(*args, **kwargs)
@@ -370,46 +389,11 @@ class Trainer:
                              hint=f"checkpoint and diagnosis in {directory}/; try bfloat16, keep those modules in "
                                   "fp32 (ampaudit check), or lower the learning rate")
 
-    def _split(self, batch: Any) -> tuple[tuple, dict, Any]:
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TrainError(f"train_data() must yield (inputs, target) pairs, got {type(batch).__name__}",
-                             hint="yield x, y where x is a tensor, a tuple of tensors or a dict")
-        inputs, target = batch
-        if self.device.type != "cpu":
-            inputs, target = _to(inputs, self.device), _to(target, self.device)
-        if isinstance(inputs, dict):
-            return (), inputs, target
-        if isinstance(inputs, (tuple, list)):
-            return tuple(inputs), {}, target
-        return (inputs,), {}, target
-
     def _trace_meta(self) -> dict[str, Any]:
         return {"dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
                 "model": type(self.model).__name__, "opt_level": self.opt_level, "accum": self.accum,
                 "world_size": self.dist.world_size, "scaler": self.scaler.config(),
                 "clip": {"mode": self._clip_mode, "max": self._clip_max}, **self._meta}
-
-
-def _device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise UsageError(f"unknown device {device!r}", hint="use cpu or cuda") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("cuda requested but no CUDA device is available", hint='use device="cpu"')
-    return dev
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
 
 
 __all__ = ["TrainResult", "Trainer", "parse_dtype"]
