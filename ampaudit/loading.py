@@ -25,19 +25,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ampaudit.dtypes import NAMES, by_name
 from ampaudit.errors import InputError, ModelLoadError
 
 PREFERRED_ENTRIES = ("build_model", "model")
 INPUT_HOOK = "example_inputs"
 
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "double": torch.float64,
-    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
-    "bool": torch.bool,
-}
 
 
 @dataclass
@@ -168,10 +161,10 @@ def parse_input_spec(spec: str, device: torch.device | str = "cpu") -> torch.Ten
         raise InputError(f"cannot read --input {spec!r}", hint="write shapes like 8x3x224x224 or 8x128:int64")
     shape = tuple(int(d) for d in re.split(r"\s*[x,]\s*", m.group(1)))
     dtype_name = (m.group(2) or "float32").lower()
-    if dtype_name not in _DTYPES:
+    dtype = by_name(dtype_name)
+    if dtype is None:
         raise InputError(f"unknown dtype {dtype_name!r} in --input {spec!r}",
-                         hint=f"use one of {', '.join(sorted(_DTYPES))}")
-    dtype = _DTYPES[dtype_name]
+                         hint=f"use one of {', '.join(sorted(NAMES))}")
     try:
         if dtype.is_floating_point:
             return torch.randn(shape, dtype=dtype, device=device)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ampaudit.dtypes import name_of
 from ampaudit.errors import RuleError, UsageError
 
 DEVICES = ("cuda", "cpu")
@@ -82,7 +83,7 @@ def kernel_hazard(op: str, dtype: torch.dtype) -> str | None:
     "storage", or None for ops the table does not know. A range hazard in a dtype with fp32's range (bf16) is
     only one of storage."""
     hazard = kernels()["hazard"].get(op)
-    if hazard == "range" and str(dtype).replace("torch.", "") in kernels()["wide_range"]:
+    if hazard == "range" and name_of(dtype) in kernels()["wide_range"]:
         return "storage"
     return hazard
 

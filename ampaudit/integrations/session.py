@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ampaudit.dtypes import name_of
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
 from ampaudit.runtime.watch import Watch
 
@@ -113,7 +114,7 @@ class WatchSession:
         self._params = list(model.named_parameters())
         first = self._params[0][1] if self._params else None
         self.writer.write("meta", step=None, version=TRACE_VERSION, source="watch", integration=integration,
-                          dtype=str(dtype).replace("torch.", ""),
+                          dtype=name_of(dtype),
                           device=first.device.type if first is not None else "cpu", model=type(model).__name__,
                           every=self.every, divergence_every=self.divergence_every, **meta)
         # Given an open writer, the watch adds its events to our trace and writes no second meta line.

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ampaudit.dtypes import name_of
+
 # FP32 outputs may differ by this much (relative) where the rewrite had to change op order (padded K dims).
 FP32_TOLERANCE = 1e-6
 
@@ -154,7 +156,7 @@ def verify_outputs(original: nn.Module, fixed: nn.Module, args: tuple, kwargs: d
         before = _amp_run(original, args, kwargs, ref, device_type, dtype)
         after = _amp_run(fixed, args, kwargs, ref, device_type, dtype)
     max_abs, max_rel, _ = compare(out, ref)
-    return Verification(device_type=device_type, dtype=str(dtype).replace("torch.", ""), fp32_max_abs=max_abs,
+    return Verification(device_type=device_type, dtype=name_of(dtype), fp32_max_abs=max_abs,
                         fp32_max_rel=max_rel, fp32_bitwise=_bitwise(out, ref), before=before, after=after)
 
 

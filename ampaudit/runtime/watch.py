@@ -25,6 +25,7 @@ from typing import IO, Any
 import torch
 import torch.nn as nn
 
+from ampaudit.dtypes import name_of
 from ampaudit.errors import UsageError
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.locate import module_names, unwrap
@@ -105,7 +106,7 @@ class Watch(PassHooks):
                 self._handles.append(mod.register_forward_hook(self._on_module_output))
         self._handles.append(self.root.register_forward_hook(self._on_forward_end))
         if self._writer is None or self._owns_writer:
-            self._emit("meta", version=TRACE_VERSION, source="watch", dtype=str(dtype).replace("torch.", ""),
+            self._emit("meta", version=TRACE_VERSION, source="watch", dtype=name_of(dtype),
                        device=self.device_type, model=type(self.root).__name__, every=every,
                        divergence_every=divergence_every, stats_every=stats_every,
                        grad_divergence_every=grad_divergence_every,

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ampaudit.dtypes import name_of, parse_train_dtype
 from ampaudit.errors import TrainError, TrainingHalted, UsageError
 from ampaudit.fileio import atomic_write_text
 from ampaudit.runtime.trace import TraceWriter
@@ -56,19 +57,7 @@ from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
 from ampaudit.train.signals import StopSignals
 
-DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "fp32": torch.float32}
 DEFAULT_HALT_DIR = Path("ampaudit-halt")   # where a halt checkpoint goes when no checkpoint_dir was given
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float16"``/``"bf16"``/``torch.bfloat16``... -> torch dtype, or a UsageError naming the choices."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    raise UsageError(f"unsupported training dtype {dtype!r}", hint="use float16, bfloat16 or float32")
 
 
 @dataclass
@@ -99,7 +88,7 @@ class Trainer:
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
                  meta: dict[str, Any] | None = None):
-        self.dtype = parse_dtype(dtype)
+        self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
             raise UsageError(f"accum must be >= 1, got {accum}", hint="e.g. accum=4")
@@ -191,7 +180,7 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).replace("torch.", ""), "opt_level": self.opt_level,
+        return {"dtype": name_of(self.dtype), "opt_level": self.opt_level,
                 "accum": self.accum, "world_size": self.dist.world_size}
 
     def state_dict(self) -> dict[str, Any]:
@@ -390,10 +379,10 @@ class Trainer:
                                   "fp32 (ampaudit check), or lower the learning rate")
 
     def _trace_meta(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+        return {"dtype": name_of(self.dtype), "device": str(self.device),
                 "model": type(self.model).__name__, "opt_level": self.opt_level, "accum": self.accum,
                 "world_size": self.dist.world_size, "scaler": self.scaler.config(),
                 "clip": {"mode": self._clip_mode, "max": self._clip_max}, **self._meta}
 
 
-__all__ = ["TrainResult", "Trainer", "parse_dtype"]
+__all__ = ["TrainResult", "Trainer"]

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import name_of
 from ampaudit.policy import DTypeLimits, settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
@@ -82,7 +83,7 @@ def _scalar_of(value):
 
 def _details(value: float, lim: DTypeLimits, consequence: str, origin: str = "", param: str = "") -> dict:
     return {"value": float(value), "as_low": str(lim.as_dtype(float(value))),
-            "compute_dtype": str(lim.dtype).replace("torch.", ""), "max": lim.max, "subnormal": lim.subnormal,
+            "compute_dtype": name_of(lim.dtype), "max": lim.max, "subnormal": lim.subnormal,
             "normal": lim.normal, "consequence": consequence, "origin": origin, "param": param}
 
 

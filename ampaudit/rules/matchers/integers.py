@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
@@ -146,9 +147,6 @@ def _divides(user: fx.Node, held: fx.Node) -> bool:
     return user.args[1] is held and user.args[0] is not held
 
 
-def _short(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
 
 @matcher("integer_values", fields=FIELDS)
 def integer_values(ctx: MatchContext, rule) -> Iterator[Hit]:
@@ -174,7 +172,7 @@ def integer_values(ctx: MatchContext, rule) -> Iterator[Hit]:
         for arg in node.all_input_nodes:
             found = _rounding(values[arg], info.compute_dtype) if arg in values and arg not in low else None
             if found is not None:
-                how = f"taken by {info.op} in {_short(info.compute_dtype)}"
+                how = f"taken by {info.op} in {name_of(info.compute_dtype)}"
                 yield _hit(node, values[arg], info.compute_dtype, found, how, _divides(node, arg))
                 break
     for start, pairs in taken.items():
@@ -185,9 +183,9 @@ def integer_values(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         held, _user, found = max(rounded, key=lambda t: t[2][2])
         info = start.meta[AMP_KEY]
-        how = (f"created in {_short(info.dtype)}" if info.op == "arange" else
-               f"cast to {_short(info.dtype)}" if info.op in cfg["casts"] else
-               f"computed in {_short(info.dtype)} by {info.op}")
+        how = (f"created in {name_of(info.dtype)}" if info.op == "arange" else
+               f"cast to {name_of(info.dtype)}" if info.op in cfg["casts"] else
+               f"computed in {name_of(info.dtype)} by {info.op}")
         divisor = all(_divides(user, h) for h, user, _ in rounded)
         yield _hit(start, values[held], held.meta[AMP_KEY].dtype, found, how, divisor)
 
@@ -195,5 +193,5 @@ def integer_values(ctx: MatchContext, rule) -> Iterator[Hit]:
 def _hit(node: fx.Node, v: torch.Tensor, dtype: torch.dtype, found: tuple, how: str, divisor: bool) -> Hit:
     example, rounded, error = found
     return Hit(node, {"value": float(v.abs().max()), "exact": exact_limit(dtype), "example": example,
-                      "rounded": rounded, "error": error, "compute_dtype": _short(dtype), "how": how},
+                      "rounded": rounded, "error": error, "compute_dtype": name_of(dtype), "how": how},
                variant="divisor" if divisor else None)

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
@@ -174,7 +175,7 @@ def _hit(node: fx.Node, cum: fx.Node, dim: int, window: int | None, one_sign: bo
     cinfo = cum.meta[AMP_KEY]
     depth = cinfo.shape[dim]
     eps = torch.finfo(cinfo.dtype).eps
-    details = {"compute_dtype": str(cinfo.dtype).replace("torch.", ""), "depth": depth,
+    details = {"compute_dtype": name_of(cinfo.dtype), "depth": depth,
                "window": window if window is not None else "?", "cumulative": cinfo.op}
     if window is None:
         details["error_note"] = (f"; for terms of one sign a window of w is off by up to {eps * depth:.3g} / w of "

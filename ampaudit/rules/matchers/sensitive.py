@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import name_of
 from ampaudit.policy import kernel_hazard, kernels
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
@@ -90,7 +91,7 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         low_inputs = any(ctx.is_low(d) for d in info.input_dtypes if d is not None)
         depth = reduction_depth(ctx, node)
-        details = {"compute_dtype": _short(info.compute_dtype), "depth": depth if depth is not None else "?",
+        details = {"compute_dtype": name_of(info.compute_dtype), "depth": depth if depth is not None else "?",
                    "overflow_note": _overflow_note(ctx, node), "policy_note": "",
                    "per_term": f"{ctx.policy.limits.max / depth:.3g}" if depth else "?"}
         if ctx.is_low(info.compute_dtype):
@@ -98,7 +99,7 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
                 details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
             yield Hit(node, details, variant=_variant(ctx, node, info, depth))
         elif info.category in ("fp32", "fp32_output") and low_inputs and upcast_sev != "off":
-            details["policy_note"] = f" ({ctx.policy.device.upper()} autocast upcasts it from {_short(ctx.policy.low)}: safe, one cast)"
+            details["policy_note"] = f" ({ctx.policy.device.upper()} autocast upcasts it from {name_of(ctx.policy.low)}: safe, one cast)"
             yield Hit(node, details, severity=upcast_sev, variant="upcast")
 
 
@@ -128,9 +129,6 @@ def _upcast_on_cuda(op: str) -> bool:
 
     return Policy.load("cuda", "float16").category(op) in ("fp32", "fp32_output")
 
-
-def _short(dtype) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "?"
 
 
 @matcher("banned_op", fields=set())
