@@ -52,6 +52,8 @@ def test_divergence_ranks_the_drifting_module_first(run_summary):
     assert worst["max_rel_l2"] > 0.05 and worst["max_step"] == 300 and worst["drift_step"] == 150
     assert [r["max_rel_l2"] for r in div["top"]] == sorted((r["max_rel_l2"] for r in div["top"]), reverse=True)
     assert div["grad_top"][0]["param"] == "blocks.1.attn.weight"
+    # The accumulated error crosses the fp16 line first downstream of the culprit's block, early in the run.
+    assert div["first_jump"] == {"module": "blocks.1.mlp", "step": 50, "rel_l2": pytest.approx(0.020616)}
 
 
 def test_headroom_least_first(run_summary):

@@ -137,6 +137,10 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     if div["top"]:
         c.print(f"\n[bold]Divergence vs FP32[/] ({div['scope']}, worst {len(div['top'])} of {div['modules']})")
         c.print(_divergence_table(div))
+        jump = div.get("first_jump")
+        if jump:
+            c.print(f"  the accumulated error first crosses {div['threshold']:.3g} at [bold]{escape(jump['module'])}[/]"
+                    f" (step {jump['step']}, rel_l2 {jump['rel_l2']:.3g})")
     hr = summary["headroom"]
     if hr["top"]:
         dtype = meta.get("dtype") or "dtype"

@@ -271,6 +271,16 @@ def divergence_table(data: TraceData, threshold: float) -> dict[str, list[dict]]
     return tables
 
 
+def first_jump(data: TraceData, threshold: float) -> dict | None:
+    """Where the accumulated (global) error first crosses ``threshold``: the earliest check, and in it the
+    first module to finish (innermost first) past it; None when no module does."""
+    for d in data.divergence:
+        v = d["rel_l2"]
+        if d["scope"] == "global" and d["module"] and v is not None and not (v < threshold):
+            return {"module": d["module"], "step": d["step"], "rel_l2": v}
+    return None
+
+
 def headroom_table(data: TraceData) -> list[dict]:
     """One row per module: the least headroom (bits below the dtype's max) seen per phase and when; inf, NaN and
     above-max counts; passes with non-finite output; the largest subnormal fraction. Least headroom (forward
@@ -329,7 +339,8 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "nonfinite": nonfinite,
         "divergence": {"scope": scope, "modules": len(tables.get(scope, [])) if scope else 0,
                        "top": tables.get(scope, [])[:top] if scope else [],
-                       "grad_top": tables.get("grad", [])[:top], "threshold": high},
+                       "grad_top": tables.get("grad", [])[:top], "threshold": high,
+                       "first_jump": first_jump(data, high)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
