@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ampaudit.dtypes import name_of
+from ampaudit.runtime.grads import from_flags
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
 from ampaudit.runtime.watch import Watch
 
@@ -160,12 +161,8 @@ class WatchSession:
             norm = float(torch.linalg.vector_norm(norms).item()) / divisor
         attribution = None
         if skipped:
-            bad: list[str] = []
-            if norms is not None:
-                flags = (~torch.isfinite(norms)).tolist()
-                bad = [n for n, f in zip(names, flags) if f]
-            modules = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in bad})
-            attribution = {"params": bad, "modules": modules}
+            attribution = from_flags(names, ~torch.isfinite(norms)) if norms is not None else \
+                {"params": [], "modules": []}
             self.writer.write("skip", step=step, scale=scale, **attribution)
             self.skips.append({"step": step, **attribution})
         clipped: bool | None = False

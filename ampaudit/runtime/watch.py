@@ -28,6 +28,7 @@ import torch.nn as nn
 from ampaudit.dtypes import name_of
 from ampaudit.errors import UsageError
 from ampaudit.runtime.divergence import DivergenceProbe
+from ampaudit.runtime.grads import nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
 from ampaudit.runtime.passes import NonFiniteError, PassHooks
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
@@ -131,12 +132,8 @@ class Watch(PassHooks):
 
         Writes a ``skip`` event and returns ``{"params": [...], "modules": [...]}``.
         """
-        named = [(n, p.grad) for n, p in self.root.named_parameters() if p.grad is not None]
-        bad: list[str] = []
-        if named:
-            flags = torch.stack([~torch.isfinite(g).all() for _, g in named]).tolist()
-            bad = [n for (n, _), f in zip(named, flags) if f]
-        modules = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in bad})
+        found = nonfinite_grads(self.root.named_parameters())
+        bad, modules = found["params"], found["modules"]
         self._emit("skip", scale=float(scale), params=bad, modules=modules)
         # The step was skipped, so the weights are still those of the pass that overflowed: replay it.
         if bad and not self._pass_open and self._should_replay(True):

@@ -4,30 +4,16 @@ Only skipped steps pay for this (one ``isfinite`` per gradient); :class:`SkipLog
 skipped steps it overflowed, and :func:`halt_diagnosis` turns that plus the scale history into the dict the
 ``halt`` trace event, ``halt.json`` and the error message report.
 
-    params, modules = nonfinite_grads(named_params)
-    log.record(step, scale, params, modules)
+    found = nonfinite_grads(named_params)        # ampaudit.runtime.grads
+    log.record(step, scale, found["params"], found["modules"])
     diagnosis = halt_diagnosis(reason, step, scaler, log)
 """
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from ampaudit.train.scaler import LossScaler
-
-
-def nonfinite_grads(named_params: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str]]:
-    """Names of parameters whose gradient holds inf/NaN, and their owning modules (dotted paths, "" = top)."""
-    params: list[str] = []
-    with torch.no_grad():
-        for name, p in named_params:
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                params.append(name)
-    modules = list(dict.fromkeys(name.rpartition(".")[0] for name in params))
-    return params, modules
 
 
 class SkipLog:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter
-from ampaudit.train.diagnosis import nonfinite_grads
+from ampaudit.runtime.grads import nonfinite_grads
 
 
 class TrainTrace:
@@ -75,7 +75,8 @@ class TrainTrace:
         if self._watch is not None and model_grads:
             info = self._watch.on_skipped_step(scale) or {}
             return list(info.get("params", [])), list(info.get("modules", []))
-        params, modules = nonfinite_grads(named)
+        found = nonfinite_grads(named)
+        params, modules = found["params"], found["modules"]
         self.write("skip", step=step, scale=scale, params=params, modules=modules)
         return params, modules
 

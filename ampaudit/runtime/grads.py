@@ -1,0 +1,31 @@
+"""Which parameters (and modules) hold non-finite gradients: the one attribution the watch, the callbacks and the
+trainer's halt diagnosis share.
+
+    found = nonfinite_grads(model.named_parameters())       # {"params": ["fc.weight"], "modules": ["fc"]}
+    found = from_flags(names, ~torch.isfinite(norms))         # when per-parameter norms are already computed
+
+One host read for all parameters (a stacked flag tensor), parameters in ``named_parameters`` order, modules sorted
+(dotted paths, "" for the top module): the same step gives the same event wherever it is written.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def from_flags(names: Sequence[str], flags: torch.Tensor | Sequence[bool]) -> dict[str, list[str]]:
+    """``{"params", "modules"}`` for the ``names`` whose flag is set."""
+    values = flags.tolist() if isinstance(flags, torch.Tensor) else list(flags)
+    params = [n for n, bad in zip(names, values) if bad]
+    return {"params": params, "modules": sorted({n.rpartition(".")[0] for n in params})}
+
+
+def nonfinite_grads(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """``{"params", "modules"}`` of the parameters whose ``.grad`` holds inf or NaN."""
+    named = [(n, p.grad) for n, p in named_params if p.grad is not None]
+    if not named:
+        return {"params": [], "modules": []}
+    with torch.no_grad():
+        flags = torch.stack([~torch.isfinite(g).all() for _, g in named])
+    return from_flags([n for n, _ in named], flags)
