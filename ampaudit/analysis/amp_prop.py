@@ -28,7 +28,7 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, SourceLoc
+from ampaudit.graph_meta import SourceLoc, example_of, module_of, source_of
 from ampaudit.errors import InputError
 from ampaudit.policy import Policy, op_names
 
@@ -150,7 +150,7 @@ class AmpProp(fx.Interpreter):
     # -- per node --------------------------------------------------------------------------------------------
     def run_node(self, n: fx.Node) -> Any:
         op, cls = canonical_op(n, self.module)
-        info = AmpInfo(op=op, module=n.meta.get(MODULE_KEY, ""), module_type=cls, source=n.meta.get(SOURCE_KEY))
+        info = AmpInfo(op=op, module=module_of(n), module_type=cls, source=source_of(n))
         self._track_autocast(n)
         off = self.autocast_stack and not self.autocast_stack[-1]
         info.category = self.policy.category(op) if n.op in ("call_module", "call_function", "call_method") \
@@ -211,7 +211,7 @@ class AmpProp(fx.Interpreter):
                 else:
                     getattr(args[0], n.target)(*args[1:], **kwargs)
             except Exception as exc:
-                loc = n.meta.get(SOURCE_KEY)
+                loc = source_of(n)
                 where = f" ({Path(loc.file).name}:{loc.line})" if loc else ""
                 raise InputError(f"example inputs do not fit the forward: {op}{where}: "
                                  f"{' '.join(str(exc).split())[:240]}",
@@ -219,7 +219,7 @@ class AmpProp(fx.Interpreter):
 
     def _recorded(self, n: fx.Node) -> Any:
         """The output a dispatch capture recorded for ``n`` (meta tensors), as this run's kind of tensor."""
-        example = n.meta.get("ampaudit_example")
+        example = example_of(n)
         if example is None:
             return None
         device = self._param_device()
@@ -245,8 +245,8 @@ class AmpProp(fx.Interpreter):
             if node.op == "output":
                 break
             if any(isinstance(a, fx.Node) and a not in self.env for a in tree_flatten((node.args, node.kwargs))[0]):
-                node.meta[AMP_KEY] = AmpInfo(op=canonical_op(node, self.module)[0], module=node.meta.get(MODULE_KEY, ""),
-                                             source=node.meta.get(SOURCE_KEY), error="input shape unknown")
+                node.meta[AMP_KEY] = AmpInfo(op=canonical_op(node, self.module)[0], module=module_of(node),
+                                             source=source_of(node), error="input shape unknown")
                 self._dtype_track(node, node.meta[AMP_KEY], None,
                                   [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)])
                 continue

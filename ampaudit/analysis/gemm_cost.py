@@ -15,14 +15,14 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.graph_meta import module_of
 
 _TOTALS: "weakref.WeakKeyDictionary[fx.GraphModule, float]" = weakref.WeakKeyDictionary()
 _MATMULS = ("matmul", "bmm", "mm", "baddbmm", "addmm", "addbmm")
 
 
 def _owner(node: fx.Node, root: nn.Module) -> nn.Module | None:
-    path = str(node.target) if node.op == "call_module" else node.meta.get(MODULE_KEY, "")
+    path = str(node.target) if node.op == "call_module" else module_of(node)
     try:
         return root.get_submodule(path)
     except AttributeError:

@@ -13,7 +13,8 @@ from torch import nn
 
 from ampaudit.capture.dispatch_capture import capture_dispatch
 from ampaudit.capture.export_capture import capture_export
-from ampaudit.capture.fx_capture import Capture, SourceLoc, capture
+from ampaudit.capture.fx_capture import Capture, capture
+from ampaudit.graph_meta import SourceLoc
 from ampaudit.errors import CaptureError, UsageError
 from ampaudit.quiet import quiet
 

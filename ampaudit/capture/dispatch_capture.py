@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, model_code_only, user_frame
+from ampaudit.capture.fx_capture import Capture, model_code_only, user_frame
+from ampaudit.graph_meta import EXAMPLE_KEY, MODULE_KEY, SOURCE_KEY, set_origin
 from ampaudit.errors import CaptureError
 
-EXAMPLE_KEY = "ampaudit_example"
 
 
 def _meta_like(value):
@@ -88,8 +88,7 @@ class _Recorder(TorchDispatchMode):
             return out
         n_args, n_kwargs = tree_map(lambda a: self._node_for(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
-        node.meta[MODULE_KEY] = self.modules.current
-        node.meta[SOURCE_KEY] = user_frame()
+        set_origin(node, self.modules.current, user_frame())
         # What the op really returned, as meta tensors: propagation falls back on it where an op has no fake
         # kernel (nonzero, data-dependent indexing), so shapes downstream stay known for this recorded path.
         node.meta[EXAMPLE_KEY] = tree_map(_meta_like, out)

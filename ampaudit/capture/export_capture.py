@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY, Capture, SourceLoc, is_user_file
+from ampaudit.capture.fx_capture import Capture, is_user_file
+from ampaudit.graph_meta import SourceLoc, set_origin
 from ampaudit.errors import CaptureError
 
 # Checks export inserts; they compute nothing.
@@ -49,8 +50,7 @@ def annotate(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         stack = n.meta.get("nn_module_stack")
         path = module_path(list(stack.values())[-1][0]) if stack else ""
-        n.meta[MODULE_KEY] = path
-        n.meta[SOURCE_KEY] = source_from_stack(n.meta.get("stack_trace"))
+        set_origin(n, path, source_from_stack(n.meta.get("stack_trace")))
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 
     cap = capture(model)                  # Capture(gm, mode="fx")
     for node in cap.gm.graph.nodes:
-        node.meta["ampaudit_module"]      # "encoder.layers.0.attn" ("" for the top module)
-        node.meta["ampaudit_source"]      # SourceLoc(file, line, code) or None
+        module_of(node)                  # "encoder.layers.0.attn" ("" for the top module; ampaudit.graph_meta)
+        source_of(node)                  # SourceLoc(file, line, code) or None
 
 A model fx cannot trace raises :class:`CaptureError` naming the user's line that broke tracing.
 """
@@ -25,28 +25,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import CaptureError
+from ampaudit.graph_meta import SourceLoc, set_origin
 from ampaudit.wrappers import unwrap
 
-MODULE_KEY = "ampaudit_module"
-SOURCE_KEY = "ampaudit_source"
 
 # Frames from these folders are machinery, not the user's model code.
 _SKIP_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in (
     Path(torch.__file__).parent, Path(__file__).resolve().parents[1], Path(os.__file__).parent,
 ))
-
-
-@dataclass(frozen=True)
-class SourceLoc:
-    file: str
-    line: int
-    code: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    def as_dict(self) -> dict:
-        return {"file": self.file, "line": self.line}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -147,8 +133,7 @@ class AuditTracer(fx.Tracer):
             # module_stack holds the modules whose forward is running; the last one owns this op.
             stack = getattr(self, "module_stack", None) or {}
             path = next(reversed(stack), "") if stack else ""
-        node.meta[MODULE_KEY] = _strip_wrapper(path)
-        node.meta[SOURCE_KEY] = user_frame() if kind not in ("placeholder", "output") else None
+        set_origin(node, _strip_wrapper(path), user_frame() if kind not in ("placeholder", "output") else None)
         return node
 
 

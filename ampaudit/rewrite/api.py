@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ampaudit.errors import CaptureError, UsageError
 from ampaudit.findings import Finding
-from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.graph_meta import module_of
 from ampaudit.rewrite.fixers import FIXERS, FixJob, island_devices, of_kind
 from ampaudit.rewrite.flags import island_findings
 from ampaudit.rewrite.report import FixReport
@@ -106,7 +105,7 @@ def _check_kinds(findings: list[Finding]) -> None:
 def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) -> list[Finding]:
     """Warning/error findings this fix does not address (rules of kind none; alignment not padded)."""
     flagged = {n.name for n in flags}
-    modules = {n.meta.get(MODULE_KEY, "") for n in flags}
+    modules = {module_of(n) for n in flags}
     fixed = {id(f) for f in island_findings(findings) if f.node in flagged or (f.node is None and f.module in modules)}
     out = []
     for f in findings:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.graph_meta import module_of
 from ampaudit.findings import SEVERITY_RANK, Finding
 from ampaudit.rewrite.op_sets import INPLACE_OPERATORS, MASK_CARRIERS, MASK_CONSUMERS, RANDOM, RANDOM_MODULES
 
@@ -111,7 +111,7 @@ def flag_nodes(gm: fx.GraphModule, findings: Sequence[Finding], *, root: torch.n
     for f in island_findings(findings, min_severity):
         if f.node is None:            # a measured finding names a module, not a node
             for n in gm.graph.nodes:
-                if _in_module(n.meta.get(MODULE_KEY, ""), f.module):
+                if _in_module(module_of(n), f.module):
                     flag(n, f.rule)
             continue
         node = by_name.get(f.node)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.graph_meta import module_of
 from ampaudit.rewrite.flags import holds_tensors, is_effectful, is_tensor_node, op_of
 from ampaudit.rewrite.op_sets import CHEAP
 
@@ -38,7 +38,7 @@ class Island:
     def modules(self) -> list[str]:
         seen: list[str] = []
         for n in self.flagged:
-            m = n.meta.get(MODULE_KEY, "")
+            m = module_of(n)
             if m not in seen:
                 seen.append(m)
         return seen

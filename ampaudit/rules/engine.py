@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import MODULE_KEY, SOURCE_KEY
+from ampaudit.graph_meta import module_of, source_of
 from ampaudit.errors import RuleError
 from ampaudit.findings import Finding
 from ampaudit.rules.loader import Rule
@@ -41,7 +41,7 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     if node is None and hit.module is not None and hit.source is None:
         node = _first_node_of(ctx, hit.module)  # a measured finding: point at the module's first line
     info = node.meta.get(AMP_KEY) if node is not None else None
-    src = hit.source or (node.meta.get(SOURCE_KEY) if node is not None else None)
+    src = hit.source or (source_of(node) if node is not None else None)
     module = hit.module if hit.module is not None else (info.module if info else "")
     op = hit.op or (info.op if info else "")
     fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
@@ -65,7 +65,7 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
 
 def _first_node_of(ctx: MatchContext, module: str):
     for n in ctx.gm.graph.nodes:
-        if n.meta.get(MODULE_KEY) == module and n.meta.get(SOURCE_KEY) is not None:
+        if module_of(n, None) == module and source_of(n) is not None:
             return n
     return None
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import MODULE_KEY, SourceLoc
+from ampaudit.graph_meta import SourceLoc, module_of
 from ampaudit.policy import Policy
 
 # Fields every hit has, whatever its matcher.
@@ -56,7 +56,7 @@ class MatchContext:
 
     def owner(self, node: fx.Node) -> torch.nn.Module | None:
         """The module whose own code ran ``node`` (the called module itself for call_module nodes)."""
-        path = str(node.target) if node.op == "call_module" else node.meta.get(MODULE_KEY, "")
+        path = str(node.target) if node.op == "call_module" else module_of(node)
         try:
             return self.gm.get_submodule(path) if node.op == "call_module" else self.root.get_submodule(path)
         except AttributeError:

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from ampaudit.capture.fx_capture import SourceLoc
+from ampaudit.graph_meta import SourceLoc
 from ampaudit.policy import divergence_thresholds, settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 

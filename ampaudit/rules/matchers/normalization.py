@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.fx_capture import MODULE_KEY
+from ampaudit.graph_meta import module_of
 from ampaudit.policy import kernel_hazard
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
@@ -49,7 +49,7 @@ def norm_buffers(ctx: MatchContext, rule) -> Iterator[Hit]:
     limit = ctx.policy.limits.max
     where: dict[str, fx.Node] = {}
     for n in ctx.gm.graph.nodes:  # the first node each module's own code ran, for a source line
-        key = str(n.target) if n.op == "call_module" else n.meta.get(MODULE_KEY)
+        key = str(n.target) if n.op == "call_module" else module_of(n, None)
         if key is not None:
             where.setdefault(key, n)
 
@@ -63,7 +63,7 @@ def norm_buffers(ctx: MatchContext, rule) -> Iterator[Hit]:
             value = float(buf.detach().abs().max())
             if value > limit:
                 node = where.get(name)
-                path = node.meta.get(MODULE_KEY, name) if node is not None else name
+                path = module_of(node, name) if node is not None else name
                 yield Hit(node, {"buffer": f"{path or type(m).__name__}.{bname}", "value": value,
                                  "dtype": str(ctx.policy.low).replace("torch.", ""), "max": limit},
                           module=path, op="batch_norm")
