@@ -76,3 +76,13 @@ def test_cli_check_mode(tmp_path, capsys):
     assert main(["--check", "--out", str(out)]) == 1
     assert "AMP301.md" in capsys.readouterr().err
     assert main(["--out", str(out)]) == 0 and main(["--check", "--out", str(out)]) == 0
+
+
+def test_the_wheel_ships_the_rules_but_not_the_docs_generator():
+    # docs_gen writes into the repository's docs/rules, which an installed wheel does not have.
+    import tomllib
+
+    from conftest import ROOT
+
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert "ampaudit/docs_gen.py" in wheel["exclude"] and wheel["force-include"]["rules"] == "ampaudit/_rules"
