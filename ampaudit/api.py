@@ -109,7 +109,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
 
 
 def _calibrate(model: nn.Module, batches: list, policy: Policy, loss_fn=None):
-    from ampaudit.calibrate import calibrate
+    from ampaudit.analysis.calibrate import calibrate
 
     if any(t.is_meta for t in model.parameters()):
         raise UsageError("--calibrate runs the model, but its weights are on the meta device",

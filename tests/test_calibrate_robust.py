@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampaudit
-from ampaudit.calibrate import calibrate
+from ampaudit.analysis.calibrate import calibrate
 from ampaudit.notes import collect
 from ampaudit.policy import Policy
 

@@ -10,7 +10,7 @@ import ampaudit
 from ampaudit.errors import CaptureError
 from ampaudit.loading import load_target
 from ampaudit.rewrite import fix
-from ampaudit.rewrite.fp32_islands import ISLAND_KEY
+from ampaudit.rewrite.island_insert import ISLAND_KEY
 
 FAULTS = ["mask_fill", "mask_fill_crash", "gelu_cube", "cumsum_pool", "bn_running_var"]
 

@@ -61,7 +61,7 @@ def check(
     Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
     if calibrate_batches and not calibrate:
         raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
-    from ampaudit.calibrate import batches_from
+    from ampaudit.analysis.calibrate import batches_from
     from ampaudit.timeout import time_limit
 
     with time_limit(timeout, "check"):

@@ -94,8 +94,8 @@ def baseline_casts(flags: dict) -> int:
 def islands(job: FixJob) -> list:
     """FP32 islands around every node a rule of kind "island" hits, merged where cycle-safe (networkx)."""
     from ampaudit.rewrite.flags import every_hit, flag_nodes
-    from ampaudit.rewrite.fp32_islands import insert_islands
-    from ampaudit.rewrite.islands import find_islands
+    from ampaudit.rewrite.island_insert import insert_islands
+    from ampaudit.rewrite.island_partition import find_islands
 
     # The report groups repeated findings; every node that hits a rule gets its island.
     hits = every_hit(job.aud, select=job.select, ignore=job.ignore, rules_dirs=job.rules_dirs)

@@ -8,7 +8,7 @@
 For models torch.fx cannot rewrite, and for users who keep their eager model (what pytorch issues #49038 and
 #70166 ask for). Each matched module's class is swapped for a subclass whose forward turns autocast off on every
 device where it is on, upcasts floating tensor arguments (fp16/bf16) to fp32, and runs the original forward.
-Outputs stay fp32, for the reason FP32 islands keep theirs (see ``ampaudit.rewrite.fp32_islands``).
+Outputs stay fp32, for the reason FP32 islands keep theirs (see ``ampaudit.rewrite.island_insert``).
 Parameters, buffers, hooks and ``state_dict`` keys are untouched; with autocast off nothing changes at all.
 The model is changed in place and returned. ``torch.save(model)`` of the whole object (pickle) cannot name the
 swapped classes: save ``state_dict()`` as usual.

@@ -28,7 +28,7 @@ from torch.fx.graph import _custom_builtins
 from ampaudit.errors import UsageError
 from ampaudit.fileio import atomic_write_bytes, atomic_write_text
 from ampaudit.rewrite.build import forward_source
-from ampaudit.rewrite.fp32_islands import ISLAND_KEY
+from ampaudit.rewrite.island_insert import ISLAND_KEY
 from ampaudit.rewrite.report import OUTPUT_POLICY
 
 MARKER = "ampaudit fix"

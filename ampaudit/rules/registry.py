@@ -47,7 +47,7 @@ class MatchContext:
     gm: fx.GraphModule
     root: torch.nn.Module
     policy: Policy
-    calibration: Any = None              # an ampaudit.calibrate.Calibration with check --calibrate
+    calibration: Any = None              # an ampaudit.analysis.calibrate.Calibration with check --calibrate
 
     def nodes(self) -> Iterator[fx.Node]:
         for n in self.gm.graph.nodes:

@@ -30,7 +30,7 @@ from ampaudit.errors import UsageError
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grads import nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
-from ampaudit.runtime.passes import NonFiniteError, PassHooks
+from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
 from ampaudit.runtime.stats import StatsAccumulator
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter

@@ -27,7 +27,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.graph_meta import MODULE_KEY
-from ampaudit.rewrite.islands import Island, is_scalar_node
+from ampaudit.rewrite.island_partition import Island, is_scalar_node
 
 ISLAND_KEY = "ampaudit_island"      # node.meta key: index of the island a node belongs to
 
