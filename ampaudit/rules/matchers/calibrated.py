@@ -81,7 +81,7 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
     hits: list[tuple[int, Hit]] = []
     for i, (name, row) in enumerate(_range_rows(ctx)):
         if test(row) and _own(cal, name, lambda other: test(cal.modules[other])):
-            details = {"what": f"{name or '<top>'} output", "absmax": row.get("absmax", 0.0), "max": tmax,
+            details = {"what": "output", "absmax": row.get("absmax", 0.0), "max": tmax,
                        "headroom": row.get("headroom_bits", 0.0), "share": row.get("underflow_share", 0.0),
                        "flush": row.get("flush_share", 0.0), "extra": ""}
             hits.append((i, Hit(None, details, module=name, op="output")))
