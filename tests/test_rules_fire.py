@@ -82,6 +82,9 @@ CASES = [
     ("AMP301", (nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)), X16), (nn.Sequential(nn.BatchNorm1d(16)), X16), "cuda", "info"),
     ("AMP301", (nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).half(), X16.half()),
      (nn.Sequential(nn.BatchNorm1d(16)), X16), "cuda", "warning"),
+    # LayerNorm keeps no running statistics: with half weights its kernel still accumulates in fp32.
+    ("AMP301", (nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).half(), X16.half()),
+     (nn.Sequential(nn.LayerNorm(16)), X16), "cpu", "info"),
     ("AMP302", (Proj(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)), X16),
      (Proj(lambda h: h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)), X16), "cpu", "warning"),
     ("AMP401", (Proj(lambda h: h.masked_fill(h > 0, -1e9)), X16), (Proj(lambda h: h.masked_fill(h > 0, -1e4)), X16), "cuda", "error"),
