@@ -58,10 +58,8 @@ def capture_rng() -> dict[str, Any]:
                              "python": [version, list(internal), gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
+    import numpy as np   # a dependency (torch's CPU wheel warns without it)
+
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     return state
