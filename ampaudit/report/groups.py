@@ -32,10 +32,7 @@ class Group:
 
     @property
     def modules(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for f in self.findings:
-            seen.setdefault(f.module, None)
-        return list(seen)
+        return list(dict.fromkeys(f.module for f in self.findings))
 
     @property
     def pattern(self) -> str:
@@ -43,11 +40,8 @@ class Group:
 
     @property
     def locations(self) -> list[dict]:
-        seen: dict[tuple, dict] = {}
-        for f in self.findings:
-            if f.location:
-                seen.setdefault((f.location["file"], f.location["line"]), f.location)
-        return list(seen.values())
+        located = [f.location for f in self.findings if f.location]
+        return list({(loc["file"], loc["line"]): loc for loc in located}.values())   # first-seen order
 
 
 _NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?%?")
