@@ -78,3 +78,14 @@ def test_findings_that_differ_only_in_numbers_share_a_row():
     console = Console(width=120, file=io.StringIO(), color_system=None)
     render_report(report, console)
     assert "more like it" in console.file.getvalue()
+
+
+def test_group_locations_are_distinct_in_first_seen_order():
+    from ampaudit.findings import Finding
+
+    def f(line):
+        return Finding(rule="AMP301", name="n", family="normalization", severity="info", module=f"m{line}",
+                       op="batch_norm", message="same", location={"file": "net.py", "line": line})
+
+    (g,) = group_findings([f(3), f(1), f(3), f(2)])
+    assert [loc["line"] for loc in g.locations] == [3, 1, 2] and g.modules == ["m3", "m1", "m2"]
