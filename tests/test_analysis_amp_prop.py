@@ -65,3 +65,23 @@ def test_mismatch_check_leaves_batchnorm_statistics_alone():
     with pytest.raises(InputError, match="linear"):
         ampaudit.check(model, torch.randn(2, 5) + 3)
     assert torch.equal(model[1].running_mean, before)
+
+
+def test_an_export_graphs_autocast_region_is_not_taken_for_inputs_that_do_not_fit():
+    # timm's EfficientViT turns autocast off inside its attention: export records wrap_with_autocast, whose baked
+    # dtypes mismatch when that one op is rerun alone; the real forward runs fine, so it is no InputError.
+    class Att(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.q(x)
+            with torch.autocast("cpu", enabled=False):
+                h = h.float()
+                return (h @ h.transpose(-1, -2)).softmax(-1) @ h
+
+    import ampaudit
+
+    report = ampaudit.check(Att(), torch.randn(2, 8, 16), device="cuda", capture_mode="export")
+    assert report.capture == "export"

@@ -192,6 +192,10 @@ class AmpProp(fx.Interpreter):
             numel += sum(p.numel() for p in module.parameters()) if module is not None else 0
             if numel > _CONFIRM_NUMEL or n.op not in ("call_module", "call_function", "call_method"):
                 return
+            if isinstance(n.target, torch._ops.HigherOrderOperator) or self.autocast_stack:
+                # An export graph's autocast regions (wrap_with_autocast) hold dtypes baked under autocast: rerun
+                # alone, outside that autocast, their ops mismatch dtypes the real forward never sees.
+                return
 
             def real(v):
                 if not isinstance(v, torch.Tensor):
