@@ -67,6 +67,11 @@ def kernels() -> dict:
             "min_depth": int(data.get("depth", {}).get("min_depth", 0))}
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the gap between 1 and the next ``dtype`` value: the relative error of one rounding (fp16 4.9e-4)."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
 def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float]:
     """(warning, error) relative-L2 thresholds of a module's own error in ``dtype``: multiples of its unit
     roundoff (rules/policy/settings.toml [calibration]); fp16 when the dtype is unknown or not 16-bit."""
@@ -74,7 +79,7 @@ def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize >= 4:
         dtype = torch.float16
-    cfg, u = settings()["calibration"], float(torch.finfo(dtype).eps) / 2
+    cfg, u = settings()["calibration"], unit_roundoff(dtype)
     return cfg["divergence_warning_u"] * u, cfg["divergence_error_u"] * u
 
 

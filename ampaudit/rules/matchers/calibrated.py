@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from ampaudit.graph_meta import SourceLoc
-from ampaudit.policy import divergence_thresholds, settings
+from ampaudit.policy import divergence_thresholds, settings, unit_roundoff
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
@@ -93,10 +93,6 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
             hits.append((order.get(buf["module"], len(order)), Hit(None, details, module=buf["module"], op="buffer")))
     for _, hit in sorted(hits, key=lambda t: t[0]):
         yield hit
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).eps) / 2
 
 
 def first_jump(cal, warn: float) -> str | None:
