@@ -3,6 +3,7 @@
     module_of(node)     # "encoder.layers.0.attn": the module whose own code ran the op ("" for the top module)
     source_of(node)     # SourceLoc(file, line, code) of the user's line, or None
     example_of(node)    # the output a dispatch capture recorded (meta tensors), or None
+    owner(node, root)   # the nn.Module whose own code ran it
     set_origin(node, module, source)
 
 Every capture (fx, export, dispatch) stamps these; passes and rules read them through these accessors. A pass's
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
+from torch import nn
 
 MODULE_KEY = "ampaudit_module"
 SOURCE_KEY = "ampaudit_source"
@@ -43,6 +45,19 @@ def source_of(node: fx.Node) -> SourceLoc | None:
 
 def example_of(node: fx.Node) -> Any:
     return node.meta.get(EXAMPLE_KEY)
+
+
+def owner(node: fx.Node, root: nn.Module) -> nn.Module | None:
+    """The module whose own code ran ``node``: the called module of a call_module node (looked up in the graph's
+    own module, which holds it), else the module ``module_of`` names, in ``root``; None when there is none."""
+    if node.op == "call_module":
+        where, path = node.graph.owning_module or root, str(node.target)
+    else:
+        where, path = root, module_of(node)
+    try:
+        return where.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def set_origin(node: fx.Node, module: str, source: SourceLoc | None) -> None:

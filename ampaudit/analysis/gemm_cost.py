@@ -15,18 +15,10 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.graph_meta import module_of
+from ampaudit.graph_meta import owner
 
 _TOTALS: "weakref.WeakKeyDictionary[fx.GraphModule, float]" = weakref.WeakKeyDictionary()
 _MATMULS = ("matmul", "bmm", "mm", "baddbmm", "addmm", "addbmm")
-
-
-def _owner(node: fx.Node, root: nn.Module) -> nn.Module | None:
-    path = str(node.target) if node.op == "call_module" else module_of(node)
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def gemm_macs(node: fx.Node, root: nn.Module) -> float | None:
@@ -36,7 +28,7 @@ def gemm_macs(node: fx.Node, root: nn.Module) -> float | None:
         return None
     op, ins = info.op, [s for s in info.input_shapes if s is not None]
     out = info.shape
-    m = _owner(node, root)
+    m = owner(node, root)
     if isinstance(m, nn.Linear) and op in ("linear", *_MATMULS):
         return math.prod(out[:-1]) * m.in_features * m.out_features
     if op == "linear" and len(ins) >= 2 and len(ins[1]) == 2:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.graph_meta import SourceLoc, module_of
+from ampaudit.graph_meta import SourceLoc, owner
 from ampaudit.policy import Policy
 
 # Fields every hit has, whatever its matcher.
@@ -56,11 +56,7 @@ class MatchContext:
 
     def owner(self, node: fx.Node) -> torch.nn.Module | None:
         """The module whose own code ran ``node`` (the called module itself for call_module nodes)."""
-        path = str(node.target) if node.op == "call_module" else module_of(node)
-        try:
-            return self.gm.get_submodule(path) if node.op == "call_module" else self.root.get_submodule(path)
-        except AttributeError:
-            return None
+        return owner(node, self.root)
 
     def is_low(self, dtype: torch.dtype | None) -> bool:
         """True for the dtypes the policy lowers to (fp16/bf16, and fp8 for GEMMs)."""
