@@ -31,14 +31,16 @@ def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]]
     """One hit per dim off the multiple. With ``ctx`` and a rule ``min_share``, the hit is the rule's ``small``
     variant (info) when this GEMM is under that share of the model's GEMM work: cuBLAS and cuDNN still use
     Tensor Cores for it (padding or a less efficient tile), and what that costs is a share of a small share."""
+    off = [(dim, value, gemms) for dim, value, gemms in dims if value > 1 and value % multiple]
+    if not off:
+        return           # aligned: no need to weigh the GEMM (most nodes of most models)
     share = gemm_share(ctx.gm, ctx.root, node) if ctx is not None else None
     small = share is not None and rule is not None and share < float(rule.param("min_share", 0.0))
-    for dim, value, gemms in dims:
-        if value > 1 and value % multiple:
-            yield Hit(node, {"kind": kind, "shape": shape, "dim": dim, "value": value, "multiple": multiple,
-                             "padded": round_up(value, multiple), "gemms": gemms,
-                             "share": f"{share:.1%}" if share is not None else "?"},
-                      variant="small" if small else None)
+    for dim, value, gemms in off:
+        yield Hit(node, {"kind": kind, "shape": shape, "dim": dim, "value": value, "multiple": multiple,
+                         "padded": round_up(value, multiple), "gemms": gemms,
+                         "share": f"{share:.1%}" if share is not None else "?"},
+                  variant="small" if small else None)
 
 
 @matcher("linear_dims", fields=FIELDS)
