@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ampaudit.errors import InputError
-from ampaudit.policy import divergence_thresholds
 
 THRESHOLDS: dict[str, float] = {
     # Forward activations within 2x of the dtype's largest value: the next larger batch overflows.
@@ -81,7 +80,7 @@ def _evidence(summary: dict, data: Any, all_divergence: list[dict], all_headroom
         if bits is not None and bits < t["low_headroom_bits"]:
             ev.setdefault(row["module"], []).append(
                 f"forward headroom {_bits(bits)} at step {row['forward_step']}")
-    high = divergence_thresholds(data.meta.get("dtype"))[0]
+    high = summary["divergence"]["threshold"]      # judged against the run's dtype when the summary was built
     for row in all_divergence:
         v = row["max_rel_l2"]
         if v is not None and not (v < high):
