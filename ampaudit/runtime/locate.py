@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.capture.fx_capture import is_user_file
+from ampaudit.notes import note
 from ampaudit.wrappers import unwrap
 
 _TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
@@ -222,8 +223,9 @@ class NonFiniteLocator(TorchDispatchMode):
             # do; a constant that merely overflows shows up where it is cast or combined with the activations.
             return out
         if not bad_in:
-            # Whether the op ran in fp16/bf16: an inf that an FP32 op makes (T5's log(0) of a zero relative
-            # position, masked right after) would appear in an FP32 run too.
+            # Whether the op ran in fp16/bf16, for the reader of the event. Whether it is a precision fault is
+            # judge_against_fp32's call: an FP32 op can make an inf only the low-precision run has (its input
+            # flushed to zero upstream), and one FP32 has too (T5's masked log(0)) is the model's own.
             low = any(t.dtype in _LOW_PRECISION for t in inputs) or any(o.dtype in _LOW_PRECISION for o in outputs)
             self._record(func, kind, "op", dtype, low_precision=low)
         else:
@@ -327,8 +329,6 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
                 # cannot run at all (an op without a derivative, a loss that does not fit the output) costs
                 # the backward's events, not the audit.
                 if locator.error is None:
-                    from ampaudit.notes import note
-
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     note(f"the backward pass was not checked: {type(exc).__name__}: {first[:160]}")
     return locator.events
