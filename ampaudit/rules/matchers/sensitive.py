@@ -81,8 +81,9 @@ def _overflow_note(ctx: MatchContext, node: fx.Node) -> str:
 def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Listed ops whose arithmetic the target leaves in fp16/bf16, named by what the kernel then really risks
     (rules/policy/kernels.toml): the rule's own severity for a range or conditioning hazard, its variants
-    ``accumulates`` (the kernel accumulates in fp32; only the stored result is low), ``half_params`` (a norm
-    whose parameters and statistics are themselves half) and ``upcast`` (autocast runs it in fp32)."""
+    ``accumulates`` (the kernel accumulates in fp32; only the stored result is low), ``short`` (a sum over too
+    few terms to pass the dtype's max from ordinary values), ``half_params`` (a norm whose parameters and
+    statistics are themselves half) and ``upcast`` (autocast runs it in fp32)."""
     ops = set(rule.param("ops", []))
     upcast_sev = rule.param("upcast_severity", "info")
     for node in ctx.nodes():
