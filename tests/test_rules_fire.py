@@ -108,6 +108,14 @@ CASES = [
     ("AMP404", (Proj(lambda h: h / torch.arange(1, 4001, dtype=h.dtype)[-16:]), X16),
      (Proj(lambda h: h / torch.arange(1, 17, dtype=h.dtype)), X16), "cpu", "info"),
     # Window sums from a low-precision cumsum: a warning when one-sign terms and the window prove the error.
+    # An op on no autocast list that meets the lowered activation and an fp32 tensor, and whose kernel wants one.
+    ("AMP207", (Proj(lambda h: torch.zeros(4, 16).index_add_(0, torch.arange(4), h)), X16),
+     (Proj(lambda h: torch.zeros(4, 16, dtype=h.dtype).index_add_(0, torch.arange(4), h)), X16), "cuda", "error"),
+    ("AMP207", (Proj(lambda h: torch.zeros(4, 16).scatter_add(0, torch.zeros(4, 16, dtype=torch.long), h)), X16),
+     (Proj(lambda h: torch.zeros(4, 16) + h), X16), "cpu", "error"),
+    # cross's meta kernel lets the dtypes through; the real kernel on zeros has the last word.
+    ("AMP207", (Proj(lambda h: torch.cross(h[:, :3], torch.ones(4, 3), dim=1)), X16),
+     (Proj(lambda h: torch.cross(h[:, :3], torch.ones(4, 3, dtype=h.dtype), dim=1)), X16), "cpu", "error"),
     ("AMP206", (Proj(box), SEQ), (Proj(lambda h: box(h, fp32=True)), SEQ), "cpu", "warning"),
     ("AMP206", (Proj(lambda h: box(h, positive=False)), SEQ), (Proj(lambda h: box(h, fp32=True, positive=False)), SEQ),
      "cpu", "info"),
@@ -228,3 +236,29 @@ def test_gemm_rows_reported_once_per_distinct_value():
     found = hits(model, torch.randn(100, 16), device="cuda", rule="AMP106")
     assert found == [("AMP106", "info", "0")]
     assert hits(model, torch.randn(96, 16), device="cuda", rule="AMP106") == []
+
+
+class OnlyUnderAutocast(nn.Module):
+    """Mixes dtypes itself (a half activation meets an fp32 parameter in dot): runs only where autocast promotes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return torch.dot(self.lin(x).half()[0], self.w)
+
+
+def test_a_model_that_runs_only_under_autocast_is_audited():
+    """CUDA autocast promotes dot's inputs, so the model runs there and is audited, not refused as unfit inputs;
+    CPU autocast does not, so there the line is an error."""
+    assert hits(OnlyUnderAutocast(), X16, device="cuda", rule="AMP207") == []
+    assert hits(OnlyUnderAutocast(), X16, device="cpu", dtype="bfloat16", rule="AMP207") == [("AMP207", "error", "")]
+
+
+def test_calibrated_raise_on_mixed_dtypes_names_the_cast_as_fix():
+    model = Proj(lambda h: torch.zeros(4, 16).index_add_(0, torch.arange(4), h))
+    report = ampaudit.check(model, X16, device="cpu", dtype="bfloat16", calibrate=True)
+    raised = [f for f in report.findings if f.rule == "AMP602"]
+    assert raised and "cast the operands to one dtype" in raised[0].fix, report.to_dict()["findings"]

@@ -16,7 +16,6 @@ so masks built with ``.to(scores.dtype)`` get the dtype they would really have.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ampaudit.graph_meta import SourceLoc, example_of, module_of, source_of
+from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, real_error, run_promoted
 from ampaudit.errors import InputError
 from ampaudit.policy import Policy, op_names
 
@@ -36,12 +36,6 @@ AMP_KEY = "amp"
 
 _CAST_TARGETS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
-# What a fake or meta kernel raises when it cannot know an op's output (no kernel, data-dependent shapes or values):
-# the shapes after it are unknown, but the inputs may well fit.
-_NO_KERNEL = (NotImplementedError, fake_tensor.DynamicOutputShapeException, fake_tensor.DataDependentOutputException,
-              fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
-# Past this many elements (inputs and the module's weights) an op is not rerun for real to confirm an error.
-_CONFIRM_NUMEL = 1 << 27
 
 
 @dataclass
@@ -59,6 +53,8 @@ class AmpInfo:
     module_type: str | None = None
     source: SourceLoc | None = None
     error: str | None = None                    # why shapes are unknown here, if they are
+    raises: str | None = None                   # the kernel's error on the dtypes autocast gives its inputs
+    raises_dtypes: list = field(default_factory=list)   # the floating dtypes it met then
     value: Any = None                           # the fake output (tensors carry shapes only)
 
 
@@ -163,6 +159,10 @@ class AmpProp(fx.Interpreter):
         except Exception as exc:  # an op without a fake kernel: shapes downstream are unknown, dtypes still flow
             result = self._recorded(n)
             if result is None and n.op != "placeholder" and not isinstance(exc, _NO_KERNEL):
+                # The model mixes dtypes itself (x.half() meets an fp32 weight), as only autocast lets it run:
+                # shapes go on from the promoted inputs; whether the target's autocast runs it is judged below.
+                result = run_promoted(self, n)
+            if result is None and n.op != "placeholder" and not isinstance(exc, _NO_KERNEL):
                 self._raise_if_real_kernel_raises(n, op)
             if result is None:
                 info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
@@ -174,6 +174,8 @@ class AmpProp(fx.Interpreter):
             info.shape = tuple(tensors[0].shape)
         info.value = result if n.op not in ("placeholder", "get_attr") or tensors else None
         self._dtype_track(n, info, result, inputs)
+        if result is not None:
+            info.raises, info.raises_dtypes = raises_at_autocast_dtypes(self, n, info.category) or (None, [])
         n.meta[AMP_KEY] = info
         if result is None and info.error:
             raise _Unknown(n)
@@ -185,41 +187,19 @@ class AmpProp(fx.Interpreter):
         A fake kernel may raise where the real one would not (``.numpy()`` on a fake tensor); only an op whose
         real kernel rejects those shapes and dtypes is the user's error.
         """
+        if self.autocast_stack:
+            # An export graph's autocast regions (wrap_with_autocast) hold dtypes baked under autocast: rerun
+            # alone, outside that autocast, their ops mismatch dtypes the real forward never sees.
+            return
         with fake_tensor.unset_fake_temporarily():
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            module = self.module.get_submodule(n.target) if n.op == "call_module" else None
-            numel = sum(t.numel() for t in _tensors((args, kwargs)))
-            numel += sum(p.numel() for p in module.parameters()) if module is not None else 0
-            if numel > _CONFIRM_NUMEL or n.op not in ("call_module", "call_function", "call_method"):
-                return
-            if isinstance(n.target, torch._ops.HigherOrderOperator) or self.autocast_stack:
-                # An export graph's autocast regions (wrap_with_autocast) hold dtypes baked under autocast: rerun
-                # alone, outside that autocast, their ops mismatch dtypes the real forward never sees.
-                return
-
-            def real(v):
-                if not isinstance(v, torch.Tensor):
-                    return v
-                return torch.zeros(v.shape, dtype=v.dtype, device="cpu" if v.device.type == "meta" else v.device)
-
-            args, kwargs = tree_map(real, (args, kwargs))
-            try:
-                if module is not None:
-                    # A copy: a BatchNorm in training mode would update the user's running statistics.
-                    module = copy.deepcopy(module)
-                    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-                        module = module.to_empty(device="cpu")
-                    module(*args, **kwargs)
-                elif n.op == "call_function":
-                    n.target(*args, **kwargs)
-                else:
-                    getattr(args[0], n.target)(*args[1:], **kwargs)
-            except Exception as exc:
-                loc = source_of(n)
-                where = f" ({Path(loc.file).name}:{loc.line})" if loc else ""
-                raise InputError(f"example inputs do not fit the forward: {op}{where}: "
-                                 f"{' '.join(str(exc).split())[:240]}",
-                                 hint="fix example_inputs() or --input to match what the model expects") from exc
+        exc = real_error(self, n, args, kwargs)
+        if exc is not None:
+            loc = source_of(n)
+            where = f" ({Path(loc.file).name}:{loc.line})" if loc else ""
+            raise InputError(f"example inputs do not fit the forward: {op}{where}: "
+                             f"{' '.join(str(exc).split())[:240]}",
+                             hint="fix example_inputs() or --input to match what the model expects") from exc
 
     def _recorded(self, n: fx.Node) -> Any:
         """The output a dispatch capture recorded for ``n`` (meta tensors), as this run's kind of tensor."""

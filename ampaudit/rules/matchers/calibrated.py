@@ -17,6 +17,8 @@ from ampaudit.policy import divergence_thresholds, settings, unit_roundoff
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
+# How kernels word a dtype mismatch ("expected both vectors to have same dtype", "expected scalar type BFloat16").
+_DTYPE_MISMATCH_RE = re.compile(r"dtype|scalar type|type promot", re.IGNORECASE)
 
 
 def _source(text: str | None) -> SourceLoc | None:
@@ -52,9 +54,11 @@ def calibrated_nonfinite(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         op = (ev.get("op") or "").replace("aten.", "") or "forward"
         phase = " in the backward pass" if ev.get("phase") == "backward" else ""
-        yield Hit(None, {"kind": ev.get("kind"), "error": ev.get("message") or "", "source": ev.get("source") or "",
+        message = ev.get("message") or ""
+        variant = "dtypes" if is_error and _DTYPE_MISMATCH_RE.search(message) else None
+        yield Hit(None, {"kind": ev.get("kind"), "error": message, "source": ev.get("source") or "",
                          "phase": phase},
-                  module=ev.get("module") or "", op=op, source=_source(ev.get("source")))
+                  module=ev.get("module") or "", op=op, source=_source(ev.get("source")), variant=variant)
 
 
 def _range_rows(ctx: MatchContext) -> Iterator[tuple[str, dict]]:

@@ -138,3 +138,20 @@ def banned_op(ctx: MatchContext, rule) -> Iterator[Hit]:
         info = node.meta[AMP_KEY]
         if info.category == "banned":
             yield Hit(node, {})
+
+
+@matcher("mixed_dtypes_raise", fields={"dtypes", "error", "promote_note"})
+def mixed_dtypes_raise(ctx: MatchContext, rule) -> Iterator[Hit]:
+    """Ops whose kernel raises on the mixed dtypes the target's autocast hands it (AmpProp ran it to see)."""
+    from ampaudit.policy import Policy
+
+    for node in ctx.nodes():
+        info = node.meta[AMP_KEY]
+        if not info.raises:
+            continue
+        note = ""
+        if ctx.policy.device == "cpu" and ctx.policy.table and \
+                Policy.load("cuda", "float16").category(info.op) == "promote":
+            note = "; CUDA autocast would promote them to one dtype, CPU autocast does not"
+        yield Hit(node, {"dtypes": " and ".join(name_of(d) for d in info.raises_dtypes), "error": info.raises,
+                         "promote_note": note})
