@@ -310,9 +310,9 @@ def test_only_cpu_passes_end_early_in_the_gradient_hook():
         with watch(model, stats=False, locate_first=False) as w:
             w.device_type = device
             out = model(torch.randn(2, 4))
-            seen[device] = w._lean
+            seen[device] = w._pass.lean
             out.sum().backward()
-            assert not w._pass_open                       # ended either way, before any optimizer step
+            assert not w._pass.open                       # ended either way, before any optimizer step
     assert seen == {"cpu": True, "cuda": False}
 
 
@@ -377,3 +377,20 @@ def test_a_tripped_flag_lists_low_precision_origins_before_fp32_ones():
         out.float().sum().backward()
     assert w.nonfinite and w.nonfinite[0]["low_precision"] is True and w.nonfinite[0]["module"] == ""
     assert any(e["op"] == "aten.log" for e in w.nonfinite[1:])
+
+
+def test_watch_is_the_class_so_every_option_reaches_it():
+    """One signature: ``ampaudit.watch`` is ``Watch``, so options such as max_replays are not lost on the way."""
+    import ampaudit
+    from ampaudit.runtime.watch import Watch
+
+    assert ampaudit.watch is Watch
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with ampaudit.watch(model, max_replays=0) as w:        # no replay, not even the first pass
+        model(torch.randn(2, 4)).sum().backward()
+        assert w._replays == 0
+    with ampaudit.watch(model, max_replays=1) as w:
+        model(torch.randn(2, 4)).sum().backward()
+        assert w._replays == 1
+    with pytest.raises(ampaudit.errors.UsageError, match="max_replays"):
+        ampaudit.watch(model, max_replays=-1)

@@ -3,8 +3,9 @@
 :class:`PassHooks` is the half of :class:`~ampaudit.runtime.watch.Watch` that runs inside the training loop:
 the root module's forward pre-hook and forward hook, the per-module statistics hooks of sampled passes,
 the hook on d loss / d output, and the end of a pass: the non-finite flag, the divergence check's FP32
-shadow and the replay under the op-level locator. ``Watch`` owns the state these methods read (set up in
-its ``__init__``) and the public API; docs/watch.md explains the costs.
+shadow and the replay under the op-level locator. What one pass knows is a :class:`PassState` (a fresh one
+per forward); what the methods read across passes is declared on :class:`PassHooks` and set up by
+``Watch.__init__``, which also owns the public API. docs/watch.md explains the costs.
 
 A pass starts at the root's forward and ends where its outcome is known: in the upstream-gradient hook
 when nothing else is due (most passes), else once the autograd engine has finished the backward (before
@@ -13,15 +14,18 @@ the optimizer can step, so a replay sees this step's weights), or right after a 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import AmpAuditError
+from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.locate import capture_rng, float_tensors, judge_against_fp32, replay
-from ampaudit.runtime.stats import any_nonfinite, extremes
+from ampaudit.runtime.schedule import DivergenceSchedule
+from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes
 
 
 _NO_HOOKED: tuple = (None, ())      # statistics: no tensor whose gradient hook is shared (see _on_module_output)
@@ -38,8 +42,60 @@ def _describe(ev: dict) -> str:
     return f"{ev['phase']} {ev['kind']} first produced in {where}{op}{src}"
 
 
+@dataclass(slots=True)
+class PassState:
+    """One forward(+backward) pass of the watched model, from the root's forward pre-hook to its end."""
+
+    step: int | None = None          # the step of its forward (events of a late-ending pass carry it)
+    replay: tuple | None = None      # (args, kwargs, rng states, (autocast on, dtype), grad mode): to rerun it
+    open: bool = False
+    forward_done: bool = False       # the root's forward returned (else it raised)
+    sample: bool = False             # gathers per-module statistics
+    full: bool = False               # ... including exact counts (first sampled pass of an interval)
+    lean: bool = False               # ends in the upstream gradient hook (see _on_forward_end)
+    flag: bool | None = None         # the non-finite flag, once read
+    probe: DivergenceProbe | None = None    # the divergence check of this pass, if any
+    upstream: list = field(default_factory=list)      # d loss / d output, per output
+    cheap_flags: list = field(default_factory=list)   # extremes of outputs and upstream gradients, not yet read
+    bw_queued: bool = False          # the end-of-backward callback is queued
+    hooked: tuple = _NO_HOOKED       # statistics: the tensor whose gradient hook the last module output got
+
+
 class PassHooks:
-    """Hook methods of ``Watch`` (a mixin: ``Watch.__init__`` creates the state they use)."""
+    """Hook methods of ``Watch``. The attributes below are set by ``Watch.__init__``; the methods read no other."""
+
+    # options
+    root: nn.Module
+    dtype: torch.dtype
+    device_type: str
+    every: int
+    divergence_every: int | None
+    stats: bool
+    stats_every: int
+    raise_on_nonfinite: bool
+    locate_first: bool
+    max_replays: int
+    max_events: int
+    # parts
+    _acc: StatsAccumulator
+    _fslot: dict
+    _bslot: dict
+    _schedule: DivergenceSchedule
+    _pass: PassState
+    # across passes
+    step: int
+    events: list[dict]
+    _explicit_step: bool
+    _forwards: int
+    _passes: int
+    _interval_start: int | None
+    _counts_due: bool
+    _suspended: bool                 # the watch runs the model itself (shadow, replay): hooks stand aside
+    _replays: int
+    _replayed_interval: int | None
+    _pending_error: "NonFiniteError | None"
+    _emit: Callable[..., None]           # (event, step=None, **fields): to the event log
+    flush: Callable[[], None]            # write the interval's statistics
 
     def _maybe_flush(self, step: int) -> None:
         if self._interval_start is None:
@@ -53,7 +109,7 @@ class PassHooks:
     def _on_forward_start(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._suspended:
             return
-        if self._pass_open:              # the previous forward got no backward
+        if self._pass.open:              # the previous forward got no backward
             self._end_pass()
         if self._pending_error is not None:
             self._raise_pending()
@@ -62,107 +118,101 @@ class PassHooks:
             self._maybe_flush(self.step)
         elif self._interval_start is None:
             self._interval_start = self.step
-        step = self._last_step = self.step
+        step = self.step
         self._forwards += 1
-        sample = self._sample = self.stats and self._passes % self.stats_every == 0
-        if sample:
-            self._full = self._counts_due
+        p = self._pass = PassState(step=step, open=True)
+        if self.stats and self._passes % self.stats_every == 0:
+            p.sample, p.full = True, self._counts_due
             self._counts_due = False
-        else:
-            self._full = False
         dt = self.device_type
         amp = (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
         if dt == "cpu":                  # only the CPU generator matters
             rng = {"cpu": torch.get_rng_state()}
         else:                            # and the generators of the devices the inputs are on
             rng = capture_rng([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
-        self._replay_state = (args, kwargs, rng, amp, torch.is_grad_enabled())
-        self._upstream, self._bw_queued, self._cheap_flags = [], False, []
-        self._lean, self._flag = False, None
-        self._pass_open, self._forward_done = True, False
+        p.replay = (args, kwargs, rng, amp, torch.is_grad_enabled())
         every = self.divergence_every
-        self._probe = (self._schedule.begin(step, *amp) if every is not None and step % every == 0 and amp[0]
-                       else None)
+        if every is not None and step % every == 0 and amp[0]:
+            p.probe = self._schedule.begin(step, *amp)
 
     def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if not self._sample or self._suspended or not self._pass_open:
+        p = self._pass
+        if not p.sample or self._suspended or not p.open:
             return
         # The common case (one tensor) skips pytree flattening: this runs for every module every step.
         outs = (out,) if type(out) is torch.Tensor else float_tensors(out)
-        fslot, full = self._fslot[mod], self._full
+        fslot, full = self._fslot[mod], p.full
         for t in outs:
             if not t.is_floating_point():
                 continue
             self._acc.observe(fslot, t, full=full)
             if t.requires_grad:
-                if t is self._hooked[0]:
+                if t is p.hooked[0]:
                     # A container returning its child's output: one gradient hook serves both modules.
-                    self._hooked[1].append(self._bslot[mod])
+                    p.hooked[1].append(self._bslot[mod])
                 else:
                     slots = [self._bslot[mod]]
-                    t.register_hook(self._grad_hook(slots))
-                    self._hooked = (t, slots)
+                    t.register_hook(self._grad_hook(slots, full))
+                    p.hooked = (t, slots)
 
-    def _grad_hook(self, slots: list[int]):
+    def _grad_hook(self, slots: list[int], full: bool):
         def hook(grad: torch.Tensor) -> None:
             if not self._suspended and grad is not None and grad.is_floating_point():
                 for slot in slots:
-                    self._acc.observe(slot, grad, full=self._full)
+                    self._acc.observe(slot, grad, full=full)
         return hook
 
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
-        if self._suspended or not self._pass_open:
+        p = self._pass
+        if self._suspended or not p.open:
             return
-        self._hooked, self._forward_done = _NO_HOOKED, True
+        p.hooked, p.forward_done = _NO_HOOKED, True
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
         grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
-        probe = self._probe
-        if probe is not None:
-            probe.end_forward()          # the FP32 shadow runs at the end of the pass
-        sample = self._sample
-        if not sample:                   # a sampled pass has the root's statistics instead
+        if p.probe is not None:
+            p.probe.end_forward()        # the FP32 shadow runs at the end of the pass
+        if not p.sample:                 # a sampled pass has the root's statistics instead
             # The outputs and, below, d loss / d output: a loss linear in the output (a sum, a policy
             # gradient) passes a NaN output on as a finite gradient.
-            flags = self._cheap_flags
             for o in outs:
                 if o.numel():
-                    flags.extend(extremes(o))
+                    p.cheap_flags.extend(extremes(o))
         if not grads:
             self._end_pass()
             self._raise_pending()
             return
-        self._upstream = [None] * len(outs)
+        p.upstream = [None] * len(outs)
         # One output, nothing due at the end of backward (statistics, a divergence check, the first
         # replay) and a CPU model: the pass ends in its gradient hook, as soon as d loss / d output is
         # known, without a callback from the autograd engine. That is the pass of almost every step. On
         # CUDA a read at the start of backward would stall the queue of kernels (the forward's must finish
         # before any backward kernel is queued): there the flag is read once the backward is done, where
         # a GradScaler makes its own read.
-        self._lean = (len(grads) == 1 and not sample and probe is None and self.device_type == "cpu"
-                      and (self._replays or not self.locate_first))
+        p.lean = (len(grads) == 1 and not p.sample and p.probe is None and self.device_type == "cpu"
+                  and bool(self._replays or not self.locate_first))
         if grads == [0]:
-            outs[0].register_hook(self._on_upstream_0)
+            outs[0].register_hook(functools.partial(self._on_upstream_0, p))
         else:
             for i in grads:
-                outs[i].register_hook(functools.partial(self._on_upstream, i))
+                outs[i].register_hook(functools.partial(self._on_upstream, p, i))
 
-    def _on_upstream_0(self, grad: torch.Tensor) -> None:
-        self._on_upstream(0, grad)
+    def _on_upstream_0(self, p: PassState, grad: torch.Tensor) -> None:
+        self._on_upstream(p, 0, grad)
 
-    def _on_upstream(self, index: int, grad: torch.Tensor) -> None:
-        if self._suspended or not self._pass_open:
+    def _on_upstream(self, p: PassState, index: int, grad: torch.Tensor) -> None:
+        if self._suspended or not p.open:
             return
-        self._upstream[index] = grad.detach()
-        if grad.numel() and not self._sample:
-            self._cheap_flags.extend(extremes(grad))
-        if self._lean:
-            flag = self._flag = any_nonfinite(self._cheap_flags)
+        p.upstream[index] = grad.detach()
+        if grad.numel() and not p.sample:
+            p.cheap_flags.extend(extremes(grad))
+        if p.lean:
+            flag = p.flag = any_nonfinite(p.cheap_flags)
             if not flag:
-                self._pass_open = False
+                p.open = False
                 self._passes += 1
                 return
-        if not self._bw_queued:
-            self._bw_queued = True
+        if not p.bw_queued:
+            p.bw_queued = True
             # Runs once the whole backward is done and before the optimizer can step: a replay then
             # still sees this step's weights.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_pass_from_engine)
@@ -173,40 +223,41 @@ class PassHooks:
 
     # --- end of a forward(+backward) pass ------------------------------------------------------------
     def _end_pass(self) -> None:
-        if not self._pass_open:
+        p = self._pass
+        if not p.open:
             return
-        self._pass_open = False
+        p.open = False
         self._passes += 1
         # A pass can end after the loop moved on (a forward that raised ends at the next forward): its
         # events carry the step of its own forward.
-        now, self.step = self.step, self._last_step if self._last_step is not None else self.step
+        now, self.step = self.step, p.step if p.step is not None else self.step
         try:
-            self._close_pass()
+            self._close_pass(p)
         finally:
             self.step = now
 
-    def _close_pass(self) -> None:
-        if not self._forward_done:
+    def _close_pass(self, p: PassState) -> None:
+        if not p.forward_done:
             # The forward raised: replay it (the locator names where, as a kind "error" event); there is
             # nothing to compare with FP32.
             bad = [("", "")]
             self._acc.end_pass(full=False)
-            if self._probe is not None:
-                self._probe, probe = None, self._probe
+            if p.probe is not None:
+                p.probe, probe = None, p.probe
                 probe.close()
-        elif self._sample:      # the root's slots already cover its outputs and the upstream gradient
-            bad = self._acc.end_pass(full=self._full)
+        elif p.sample:          # the root's slots already cover its outputs and the upstream gradient
+            bad = self._acc.end_pass(full=p.full)
         else:
             # The extremes of the model's outputs and of the upstream gradient (read already on a lean pass).
             # An overflow that starts inside backward shows up in the per-module gradient statistics of the
             # next sampled pass, or in on_skipped_step; checking every parameter gradient on every pass would
             # cost more than the rest of this path together.
-            flag = self._flag if self._flag is not None else any_nonfinite(self._cheap_flags)
+            flag = p.flag if p.flag is not None else any_nonfinite(p.cheap_flags)
             bad = [("", "")] if flag else []
         self._suspended = True
         try:
-            if self._probe is not None:
-                self._finish_divergence()
+            if p.probe is not None:
+                self._finish_divergence(p)
             if self._should_replay(bool(bad)):
                 self._replay(proactive=not bad)
         finally:
@@ -223,14 +274,14 @@ class PassHooks:
         """True while the watch runs the model itself (FP32 shadow, locator replay) and sets autocast on its own."""
         return self._suspended
 
-    def _finish_divergence(self) -> None:
-        probe, self._probe = self._probe, None
-        args, kwargs, rng, _, _ = self._replay_state
-        for ev in self._schedule.finish(probe, args, kwargs, rng, self._upstream):
+    def _finish_divergence(self, p: PassState) -> None:
+        probe, p.probe = p.probe, None
+        args, kwargs, rng, _, _ = p.replay
+        for ev in self._schedule.finish(probe, args, kwargs, rng, p.upstream):
             self._emit("divergence", **ev)
 
     def _should_replay(self, bad: bool) -> bool:
-        if self._replay_state is None or self._replays >= self.max_replays:
+        if self._pass.replay is None or self._replays >= self.max_replays:
             return False
         if self._replays == 0 and self.locate_first:
             return True
@@ -240,10 +291,11 @@ class PassHooks:
         """Locate inf/NaN in the pass just ended. ``proactive``: nothing tripped the flag (the first pass,
         replayed to find an inf that never leaves its module): only infs an FP32 replay of the pass does not
         have count there (one FP32 also makes is the model's own, and the pass ended finite)."""
-        args, kwargs, rng, (amp_on, amp_dtype), grad_mode = self._replay_state
+        p = self._pass
+        args, kwargs, rng, (amp_on, amp_dtype), grad_mode = p.replay
         self._replays += 1
         self._replayed_interval = self._interval_start
-        upstream = self._upstream if grad_mode and any(g is not None for g in self._upstream) else None
+        upstream = p.upstream if grad_mode and any(g is not None for g in p.upstream) else None
         kw = dict(device_type=self.device_type, dtype=amp_dtype if amp_on else self.dtype, rng_state=rng,
                   upstream=upstream, max_events=self.max_events)
         found = replay(self.root, args, kwargs, autocast=amp_on, **kw)

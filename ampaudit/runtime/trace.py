@@ -71,6 +71,42 @@ class TraceWriter:
         self.close()
 
 
+class EventLog:
+    """The events of one watched run: kept in ``events`` and written to a trace, if there is one.
+
+    ``trace``: a JSON Lines path (opened and closed here), an open :class:`TraceWriter` (shared with a trainer
+    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` events
+    (the bulk of a run) go to the file only.
+
+        log = EventLog("run.jsonl")
+        log.emit("nonfinite", step=3, module="attn", ...)
+        log.close()
+    """
+
+    def __init__(self, trace: str | os.PathLike | TraceWriter | IO[str] | None):
+        self.events: list[dict] = []
+        if trace is None or isinstance(trace, TraceWriter):
+            self.writer, self.owns_writer = trace, False
+        else:
+            self.writer, self.owns_writer = TraceWriter(trace), True
+
+    @property
+    def writes_meta(self) -> bool:
+        """Whether this log starts its own trace (a shared writer already has its ``meta`` line)."""
+        return self.writer is None or self.owns_writer
+
+    def emit(self, event: str, step: int | None, **fields: Any) -> None:
+        record = {"event": event, "step": step, **fields}
+        if self.writer is None or event != "stats":
+            self.events.append(record)
+        if self.writer is not None:
+            self.writer.write(event, step=step, **fields)
+
+    def close(self) -> None:
+        if self.writer is not None and self.owns_writer:
+            self.writer.close()
+
+
 def read_trace(path: str | os.PathLike) -> tuple[list[dict], list[str]]:
     """Return ``(events, problems)``: every parseable event, and one message per line that was not."""
     p = Path(path)

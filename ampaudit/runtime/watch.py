@@ -13,6 +13,12 @@ models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.r
 ``w.events``: ``stats`` per module and phase every ``every`` steps, ``nonfinite`` where inf/NaN first
 appears, ``divergence`` every ``divergence_every`` steps, ``skip`` from :meth:`Watch.on_skipped_step`.
 
+A :class:`Watch` is made of its parts: the hook methods run in each pass (:class:`~ampaudit.runtime.pass_hooks.
+PassHooks`, with one :class:`~ampaudit.runtime.pass_hooks.PassState` per pass), the statistics accumulator
+(:class:`~ampaudit.runtime.stats.StatsAccumulator`), the divergence schedule
+(:class:`~ampaudit.runtime.schedule.DivergenceSchedule`), the event log (:class:`~ampaudit.runtime.trace.EventLog`)
+and the hook handles. ``watch`` is the class itself, so its signature is written once.
+
 What each hook costs and why (the non-finite flag on every pass, sampled statistics, replays under the
 op-level locator, the divergence schedule), with measured numbers: docs/watch.md.
 Inputs must not be modified in place between forward and backward (they are kept by reference).
@@ -27,19 +33,38 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.errors import UsageError
-from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grads import nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
-from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks
+from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
 from ampaudit.runtime.stats import StatsAccumulator
-from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter
+from ampaudit.runtime.trace import TRACE_VERSION, EventLog, TraceWriter
 
 __all__ = ["NonFiniteError", "Watch", "watch"]
 
 
 class Watch(PassHooks):
-    """Hooks on a model that write statistics, non-finite origins and FP32 divergence; see :func:`watch`."""
+    """Runtime hooks on ``model`` (plain, DDP or DataParallel); use as a context manager or call :meth:`close`.
+
+    ``trace``: JSON Lines path, an open ``TraceWriter`` (shared with a trainer; no ``meta`` line is written),
+    or None (events only in ``Watch.events``). ``every``: steps per ``stats`` interval. ``divergence_every``:
+    steps between FP32 shadow comparisons (None: off; needs autocast and FP32 weights). ``dtype``: the low
+    precision the statistics are judged against (headroom, subnormals). ``stats_every``: per-module
+    statistics on one pass in this many (1: every pass); the non-finite flag is checked on every pass.
+    ``locate_first``: replay the first pass under the op-level locator (finds infs that never leave their
+    module). ``max_replays``: locator replays in all (the first, then one per interval with inf/NaN);
+    ``max_events``: origins reported per replay (forward first; later ones are mostly echoes).
+    ``raise_on_nonfinite``: raise :class:`NonFiniteError` (from the forward or ``backward()`` call) once the
+    origin has been written to the trace.
+
+    Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
+    scopes run on some checks only, counted in divergence checks (not steps), starting with the first
+    check, which therefore has all three: ``grad_divergence_every`` (default 8: checks 0, 8, 16, ...) pushes
+    the upstream gradient through an FP32 graph and compares every parameter gradient (scope ``grad``; the
+    other checks shadow the forward only, under no_grad); ``local_divergence_every`` (default 2: checks 0, 2,
+    4, ...) re-runs each leaf module in low precision on the FP32 inputs (scope ``local``). 1 = on every
+    check, None = never.
+    """
 
     def __init__(self, model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *,
                  every: int = 50, divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
@@ -50,63 +75,54 @@ class Watch(PassHooks):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
         for name, value, optional in (("every", every, False), ("stats_every", stats_every, False),
+                                      ("max_events", max_events, False),
                                       ("divergence_every", divergence_every, True),
                                       ("grad_divergence_every", grad_divergence_every, True),
                                       ("local_divergence_every", local_divergence_every, True)):
             check_every(name, value, optional=optional)
+        if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 0:
+            raise UsageError(f"watch(): max_replays must be an integer >= 0, got {max_replays!r}",
+                             hint="0 turns the locator replays off")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise UsageError(f"watch(): dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}",
                              hint="pass the dtype autocast lowers to")
-        self.model = model
-        self.root = unwrap(model)
-        self.dtype = dtype
+        # Options.
+        self.model, self.root, self.dtype = model, unwrap(model), dtype
         self.every, self.divergence_every, self.stats_every = every, divergence_every, stats_every
-        self.grad_divergence_every, self.local_divergence_every = grad_divergence_every, local_divergence_every
         self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
-        # A replay reports the first ``max_events`` origins (forward first); later ones are mostly echoes.
         self.locate_first, self.max_replays, self.max_events = locate_first, max_replays, max_events
         first = next(iter(self.root.parameters()), None)
         self.device_type = first.device.type if first is not None else "cpu"
-        self.events: list[dict] = []
-        self.step = 0
-        self.closed = False
+        # Parts.
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)
         self._fslot = {m: self._acc.slot(n, "forward") for m, n in self._names.items()}
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
-        self._hooked: tuple[torch.Tensor | None, list[int]] = (None, [])
+        self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
+                                            every=divergence_every, grad_every=grad_divergence_every,
+                                            local_every=local_divergence_every)
+        self._log = EventLog(trace)
+        self.events = self._log.events
+        self._pass = PassState()
+        # Across passes.
+        self.step = 0
+        self.closed = False
         self._explicit_step = False
         self._forwards = 0
         self._passes = 0
         self._interval_start: int | None = None
-        self._last_step: int | None = None
-        self._pass_open = False
-        self._forward_done = False       # the root's forward returned (else it raised)
-        self._sample = False             # this pass gathers per-module statistics
-        self._full = False               # ... including exact counts (first sampled pass of an interval)
         self._counts_due = True
         self._suspended = False
-        self._replay_state: tuple | None = None
-        self._upstream: list[torch.Tensor | None] = []
-        self._bw_queued = False
-        self._cheap_flags: list[torch.Tensor] = []
-        self._lean = False               # this pass ends in the upstream gradient hook (see _on_forward_end)
-        self._flag: bool | None = None   # the pass's non-finite flag, once read
-        self._probe: DivergenceProbe | None = None      # the check of this pass, if any
-        self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
-                                            every=divergence_every, grad_every=grad_divergence_every,
-                                            local_every=local_divergence_every)
         self._replays = 0
         self._replayed_interval: int | None = None
         self._pending_error: NonFiniteError | None = None
-        self._writer, self._owns_writer = self._open_writer(trace)
         self._handles: list[Any] = [
             self.root.register_forward_pre_hook(self._on_forward_start, with_kwargs=True)]
         if stats:
             for mod in self._names:
                 self._handles.append(mod.register_forward_hook(self._on_module_output))
         self._handles.append(self.root.register_forward_hook(self._on_forward_end))
-        if self._writer is None or self._owns_writer:
+        if self._log.writes_meta:
             self._emit("meta", version=TRACE_VERSION, source="watch", dtype=name_of(dtype),
                        device=self.device_type, model=type(self.root).__name__, every=every,
                        divergence_every=divergence_every, stats_every=stats_every,
@@ -123,7 +139,7 @@ class Watch(PassHooks):
 
     def after_backward(self) -> None:
         """Optional: call after ``backward()`` (before the optimizer step) to end the pass explicitly."""
-        if self._pass_open and self._upstream:
+        if self._pass.open and self._pass.upstream:
             self._end_pass()
         self._raise_pending()
 
@@ -136,7 +152,7 @@ class Watch(PassHooks):
         bad, modules = found["params"], found["modules"]
         self._emit("skip", scale=float(scale), params=bad, modules=modules)
         # The step was skipped, so the weights are still those of the pass that overflowed: replay it.
-        if bad and not self._pass_open and self._should_replay(True):
+        if bad and not self._pass.open and self._should_replay(True):
             self._suspended = True
             try:
                 self._replay()
@@ -148,7 +164,7 @@ class Watch(PassHooks):
         """Write ``stats`` events for the passes completed since the last flush."""
         if not self.stats:
             return
-        step = self._last_step if self._last_step is not None else self.step
+        step = self._pass.step if self._pass.step is not None else self.step
         for rec in self._acc.drain():
             self._emit("stats", step=step, **rec)
         self._interval_start = None
@@ -159,7 +175,7 @@ class Watch(PassHooks):
         if self.closed:
             return
         try:
-            if self._pass_open:
+            if self._pass.open:
                 self._end_pass()
             self.flush()
         finally:
@@ -168,10 +184,8 @@ class Watch(PassHooks):
                 h.remove()
             self._handles.clear()
             self._schedule.close()
-            self._probe = None
-            self._replay_state, self._upstream = None, []
-            if self._writer is not None and self._owns_writer:
-                self._writer.close()
+            self._pass = PassState()       # drops the last pass's inputs and gradients
+            self._log.close()
 
     def __enter__(self) -> "Watch":
         return self
@@ -191,50 +205,8 @@ class Watch(PassHooks):
         """``divergence`` events so far, in order."""
         return [e for e in self.events if e["event"] == "divergence"]
 
-    # --- events --------------------------------------------------------------------------------------
-    def _open_writer(self, trace: Any) -> tuple[TraceWriter | None, bool]:
-        if trace is None:
-            return None, False
-        if isinstance(trace, TraceWriter):
-            return trace, False
-        return TraceWriter(trace), True
-
     def _emit(self, event: str, step: int | None = None, **fields: Any) -> None:
-        step = self.step if step is None and event != "meta" else step
-        record = {"event": event, "step": step, **fields}
-        # With a trace file, per-interval statistics live there only (they are the bulk of the events).
-        if self._writer is None or event != "stats":
-            self.events.append(record)
-        if self._writer is not None:
-            self._writer.write(event, step=step, **fields)
+        self._log.emit(event, self.step if step is None and event != "meta" else step, **fields)
 
 
-def watch(model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *, every: int = 50,
-          divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
-          raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
-          locate_first: bool = True, grad_divergence_every: int | None = 8,
-          local_divergence_every: int | None = 2) -> Watch:
-    """Attach runtime hooks to ``model`` (plain, DDP or DataParallel); use as a context manager or close().
-
-    ``trace``: JSON Lines path, an open ``TraceWriter`` (shared with a trainer; no ``meta`` line is written),
-    or None (events only in ``Watch.events``). ``every``: steps per ``stats`` interval. ``divergence_every``:
-    steps between FP32 shadow comparisons (None: off; needs autocast and FP32 weights). ``dtype``: the low
-    precision the statistics are judged against (headroom, subnormals). ``stats_every``: per-module
-    statistics on one pass in this many (1: every pass); the non-finite flag is checked on every pass.
-    ``locate_first``: replay the first pass under the op-level locator (finds infs that never leave their
-    module).
-    ``raise_on_nonfinite``: raise :class:`NonFiniteError` (from the forward or ``backward()`` call) once the
-    origin has been written to the trace.
-
-    Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
-    scopes run on some checks only, counted in divergence checks (not steps), starting with the first
-    check, which therefore has all three: ``grad_divergence_every`` (default 8: checks 0, 8, 16, ...) pushes
-    the upstream gradient through an FP32 graph and compares every parameter gradient (scope ``grad``; the
-    other checks shadow the forward only, under no_grad); ``local_divergence_every`` (default 2: checks 0, 2,
-    4, ...) re-runs each leaf module in low precision on the FP32 inputs (scope ``local``). 1 = on every
-    check (the behaviour before these options), None = never.
-    """
-    return Watch(model, trace, every=every, divergence_every=divergence_every, dtype=dtype,
-                 raise_on_nonfinite=raise_on_nonfinite, stats=stats, stats_every=stats_every,
-                 locate_first=locate_first, grad_divergence_every=grad_divergence_every,
-                 local_divergence_every=local_divergence_every)
+watch = Watch
