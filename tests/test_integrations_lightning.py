@@ -117,6 +117,15 @@ def test_raise_on_nonfinite_stops_fit_and_removes_hooks():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_the_callback_and_the_trainer_drive_one_session_class():
+    # one owner of a watched run's trace: the callback's session is the class the Trainer holds
+    from ampaudit.integrations.session import WatchSession
+    from ampaudit.train import Trainer
+
+    trainer = Trainer(nn.Linear(4, 1), lambda out, y: out.mean(), lambda: [], dtype="float16", handle_signals=False)
+    assert type(AmpAuditCallback().session) is type(trainer.session) is WatchSession
+
+
 def test_precision_dtype():
     assert precision_dtype("16-mixed") is torch.float16
     assert precision_dtype("bf16-mixed") is torch.bfloat16

@@ -100,6 +100,8 @@ def test_consecutive_skips_halt_with_checkpoint_and_diagnosis(mlp, tmp_path):
     assert [h["skipped"] for h in diagnosis["scale_history"]] == [False, False, True, True, True, True]
     _, events = _steps(tmp_path / "t.jsonl")
     assert [e for e in events if e["event"] == "halt"][0]["reason"].startswith("4 consecutive")
+    # the watch's last statistics come before the halt, which ends the trace
+    assert events[-1]["event"] == "halt" and any(e["event"] == "stats" for e in events)
 
 
 def test_o2_keeps_fp32_masters_and_batchnorm(mlp):

@@ -1,5 +1,6 @@
-"""A :class:`~ampaudit.runtime.watch.Watch` driven by a training framework's hooks: the part the Lightning and
-Hugging Face callbacks share. The callbacks only translate their framework's hooks into these calls:
+"""A :class:`~ampaudit.runtime.watch.Watch` driven by a training loop's hooks: the one owner of a watched
+training run's trace, shared by the Lightning and Hugging Face callbacks and by ``ampaudit.train.Trainer``.
+The callbacks only translate their framework's hooks into these calls:
 
     session = WatchSession(trace="run.jsonl", every=50, divergence_every=500)
     session.start(model, dtype=torch.float16, integration="lightning")
@@ -10,8 +11,19 @@ Hugging Face callbacks share. The callbacks only translate their framework's hoo
     session.end_step(skipped=False, scale=65536.0, lr=1e-3)   # writes the `step` event; a skip names the culprits
     session.close()                           # flush statistics, remove hooks, optionally write TensorBoard logs
 
+The trainer measures the gradient norm itself (it clips) and writes its own events:
+
+    session = WatchSession(trace, every=50, memory=False)      # trace None: no watch, every call a no-op
+    session.start(model, dtype=torch.float16, source="train", step=0, append=resumed, meta={...})
+    session.begin_step(step); ...; session.skip(scale, named, model_grads=True)   # on a skipped step
+    session.write_step(loss=0.5, scale=65536.0, skipped=False, grad_norm=1.2, clipped=False, lr=1e-3)
+    session.write("checkpoint", step=step, path="ckpt/last.pt")
+    session.close_watch(); session.write("halt", step=step, ...)   # the watch's statistics go before the halt
+    session.close()
+
 Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``) and the ``step`` events go to one
-trace: the JSON Lines file ``trace``, or memory (``session.events``) when ``trace`` is None.
+trace: the JSON Lines file ``trace``, an open :class:`TraceWriter` (not closed here), or memory
+(``session.events``) when ``trace`` is None and ``memory`` is True.
 """
 from __future__ import annotations
 
@@ -20,15 +32,18 @@ import json
 import math
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from ampaudit.dtypes import name_of
-from ampaudit.runtime.grads import from_flags
+from ampaudit.runtime.grads import from_flags, nonfinite_grads
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
-from ampaudit.runtime.watch import Watch
+
+if TYPE_CHECKING:
+    from ampaudit.runtime.watch import Watch
 
 
 def param_grad_norms(named: list[tuple[str, nn.Parameter]]) -> tuple[list[str], torch.Tensor | None]:
@@ -74,12 +89,19 @@ class SessionViews:
 
 
 class WatchSession:
-    """One watched training run: a :class:`Watch` plus ``step`` events; see the module docstring."""
+    """One watched training run: a :class:`Watch` plus ``step`` events; see the module docstring.
 
-    def __init__(self, trace: str | os.PathLike | None = None, *, every: int = 50, divergence_every: int | None = None,
-                 raise_on_nonfinite: bool = False, stats: bool = True, grad_norm_every: int | None = None,
-                 tensorboard: str | os.PathLike | None = None):
+    ``trace``: a JSON Lines path, an open :class:`TraceWriter` (shared, not closed here), or None: events in
+    memory (:attr:`events`) when ``memory``, else no watch and no events (``active`` stays False; the trainer on
+    DDP ranks other than 0, or without ``trace=``).
+    """
+
+    def __init__(self, trace: str | os.PathLike | TraceWriter | None = None, *, every: int = 50,
+                 divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
+                 grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
+                 memory: bool = True):
         self.trace = trace
+        self.memory = memory
         self.every, self.divergence_every = every, divergence_every
         self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
         # The norms cost one pass over every gradient. With a loss scaler they are taken every step (a skipped
@@ -91,6 +113,7 @@ class WatchSession:
             require("tensorboard", extra="tensorboard", feature="tensorboard=")
         self.watch: Watch | None = None
         self.writer: TraceWriter | None = None
+        self._owns_writer = False
         self._buffer: io.StringIO | None = None
         self._step: int | None = None
         self._t0: float | None = None
@@ -101,23 +124,45 @@ class WatchSession:
 
     @property
     def active(self) -> bool:
+        """Whether the watch is attached and steps are recorded (the trainer measures the norm only then)."""
         return self.watch is not None
 
-    def start(self, model: nn.Module, *, dtype: torch.dtype, integration: str, **meta: Any) -> None:
-        """Attach the watch to ``model`` and write the trace's ``meta`` line."""
-        if self.watch is not None:
+    def start(self, model: nn.Module, *, dtype: torch.dtype, integration: str | None = None,
+              source: str = "watch", step: int | None = None, append: bool = False,
+              meta: dict[str, Any] | None = None, **fields: Any) -> None:
+        """Open the trace, write its ``meta`` line and attach the watch to ``model``.
+
+        ``integration`` (a callback's framework): the session describes the run itself (dtype, device, model,
+        every, divergence_every); without it ``meta`` (a dict: its keys may clash with these parameters' names)
+        and ``fields`` are the whole description. ``step``: the meta line's step. ``append``: a resumed or
+        continued run extends a non-empty trace file (or a shared writer) without a second meta line.
+        """
+        if self.writer is not None:
             self.close()
+        if self.trace is None and not self.memory:
+            return
         if self.trace is None:
             self._buffer = io.StringIO()
-            self.writer = TraceWriter(self._buffer)
+            self.writer, self._owns_writer = TraceWriter(self._buffer), False
+        elif isinstance(self.trace, TraceWriter):
+            self.writer, self._owns_writer = self.trace, False
         else:
-            self.writer = TraceWriter(self.trace)
+            path = Path(self.trace)
+            append = append and path.is_file() and path.stat().st_size > 0
+            self.writer, self._owns_writer = TraceWriter(path, append=append), True
         self._params = list(model.named_parameters())
-        first = self._params[0][1] if self._params else None
-        self.writer.write("meta", step=None, version=TRACE_VERSION, source="watch", integration=integration,
-                          dtype=name_of(dtype),
-                          device=first.device.type if first is not None else "cpu", model=type(model).__name__,
-                          every=self.every, divergence_every=self.divergence_every, **meta)
+        if integration is not None:
+            first = self._params[0][1] if self._params else None
+            meta = {"integration": integration, "dtype": name_of(dtype),
+                    "device": first.device.type if first is not None else "cpu", "model": type(model).__name__,
+                    "every": self.every, "divergence_every": self.divergence_every, **(meta or {})}
+        if not append:
+            record = {"version": TRACE_VERSION, "source": source, **(meta or {}), **fields}
+            record.update(version=TRACE_VERSION, source=source)   # the contract's keys, whatever meta holds
+            self.writer.write("meta", step=step, **record)
+        # Imported here: `import ampaudit.train` stays lean for library use without a trace.
+        from ampaudit.runtime.watch import Watch
+
         # Given an open writer, the watch adds its events to our trace and writes no second meta line.
         self.watch = Watch(model, self.writer, every=self.every, divergence_every=self.divergence_every,
                            dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats)
@@ -168,32 +213,71 @@ class WatchSession:
         clipped: bool | None = False
         if clipped_at:      # unknown on steps whose norm was not measured, or was not finite
             clipped = norm > clipped_at if norm is not None and math.isfinite(norm) else None
-        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
-        self.writer.write("step", step=step, loss=sum(losses) / len(losses) if losses else None,
-                          scale=scale, skipped=bool(skipped), grad_norm=norm, clipped=clipped, lr=lr,
-                          time=elapsed)
-        self._t0, self._losses, self._norms = None, [], ([], None, 1.0)
+        self.write_step(loss=sum(losses) / len(losses) if losses else None, scale=scale, skipped=skipped,
+                        grad_norm=norm, clipped=clipped, lr=lr)
         return attribution
+
+    def write_step(self, *, loss: float | None, scale: float | None, skipped: bool, grad_norm: float | None,
+                   clipped: bool | None, lr: float | None) -> None:
+        """Write the ``step`` event from what the caller measured itself (the trainer clips, so it has the norm);
+        ``time`` is the session's clock since :meth:`begin_step`."""
+        if self.watch is None or self._step is None:
+            return
+        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
+        self.writer.write("step", step=self._step, loss=loss, scale=scale, skipped=bool(skipped),
+                          grad_norm=grad_norm, clipped=clipped, lr=lr, time=elapsed)
+        self._t0, self._losses, self._norms = None, [], ([], None, 1.0)
+
+    def skip(self, scale: float | None, named: list[tuple[str, torch.Tensor]], *,
+             model_grads: bool) -> dict[str, list[str]]:
+        """The loss scaler skipped the current step, whose gradients the caller holds (the trainer): write the
+        ``skip`` event and return ``{"params", "modules"}`` with non-finite gradients.
+
+        ``model_grads``: the gradients still sit on the watched model (O1), where the watch names them and
+        replays the overflowing pass to locate it; else (O2: on the FP32 masters) those of ``named`` are named.
+        Without a watch nothing is written, but the attribution is still returned (a halt diagnosis needs it).
+        """
+        if self.watch is not None and model_grads:
+            info = self.watch.on_skipped_step(scale) or {}
+            found = {"params": list(info.get("params", [])), "modules": list(info.get("modules", []))}
+        else:
+            found = nonfinite_grads(named)
+            self.write("skip", step=self._step, scale=scale, **found)
+        if self.watch is not None:
+            self.skips.append({"step": self._step, **found})
+        return found
+
+    def write(self, event: str, step: int | None = None, **fields: Any) -> None:
+        """Write an event of the caller's own (the trainer's ``checkpoint`` and ``halt``) while the trace is open."""
+        if self.writer is not None:
+            self.writer.write(event, step=step, **fields)
 
     @property
     def events(self) -> list[dict]:
         """Every event so far (from memory, or read back from the trace file)."""
         if self._buffer is not None:
             return [json.loads(line) for line in self._buffer.getvalue().splitlines() if line.strip()]
-        if self.trace is not None and os.path.isfile(self.trace):
-            return read_trace(self.trace)[0]
+        path = self.trace.path if isinstance(self.trace, TraceWriter) else self.trace
+        if path is not None and os.path.isfile(path):
+            return read_trace(path)[0]
         return []
 
-    def close(self) -> None:
-        """Flush statistics, remove the hooks, close the trace; write TensorBoard logs when asked."""
-        if self.watch is None:
-            return
+    def close_watch(self) -> None:
+        """Flush the watch's statistics and remove its hooks; the trace stays open for :meth:`write`."""
         watch, self.watch = self.watch, None
-        try:
+        if watch is not None:
             watch.close()
+
+    def close(self) -> None:
+        """Flush statistics, remove the hooks, close the trace (unless shared); write TensorBoard logs when asked."""
+        if self.writer is None:
+            return
+        try:
+            self.close_watch()
         finally:
-            if self.writer is not None and self._buffer is None:
-                self.writer.close()
+            writer, self.writer = self.writer, None
+            if self._owns_writer:
+                writer.close()
         if self.tensorboard is not None:
             from ampaudit.integrations.tensorboard import write_tensorboard
 

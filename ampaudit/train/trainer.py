@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import json
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch.nn as nn
 from ampaudit.dtypes import name_of, parse_train_dtype
 from ampaudit.errors import TrainError, TrainingHalted, UsageError
 from ampaudit.fileio import atomic_write_text
+from ampaudit.integrations.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
 from ampaudit.train.checkpoint import (
@@ -51,7 +51,6 @@ from ampaudit.train.checkpoint import (
 from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
 from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
-from ampaudit.train.events import TrainTrace
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
 from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
@@ -149,14 +148,15 @@ class Trainer:
         self._skips = SkipLog()
         self._saved_step: int | None = None
         self._signals = StopSignals(handle_signals)
-        # rank 0 alone writes the trace
         if divergence_every is not None and self.dist.world_size > 1 and any(
                 isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
             # Rank 0 alone runs the FP32 shadow; a SyncBatchNorm in it would wait for the other ranks forever.
             raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
                              hint="drop divergence_every, or check divergence in a single-process run")
-        self._trace = TrainTrace(trace if self.dist.is_main else None, model, dtype=self.dtype, every=trace_every,
-                                 divergence_every=divergence_every)
+        # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
+        # no trace the session watches nothing (memory=False: no in-memory events either).
+        self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
+                                    divergence_every=divergence_every, memory=False)
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
@@ -225,7 +225,7 @@ class Trainer:
             self._saved_step = self.step
         if self.dist.is_main:
             path = save_checkpoint(state, directory / name)
-            self._trace.write("checkpoint", step=self.step, path=str(path))
+            self.session.write("checkpoint", step=self.step, path=str(path))
         ddp.barrier(self.dist)
         return path
 
@@ -268,7 +268,8 @@ class Trainer:
                 self.load_state_dict(load_checkpoint(self._checkpoint_dir / LAST))
                 resumed = True
         # a resumed or continued run extends its trace
-        self._trace.open(step=self.step, append=resumed or self.step > 0, meta=self._trace_meta())
+        self.session.start(self.model, dtype=self.dtype, source="train", step=self.step,
+                           append=resumed or self.step > 0, meta=self._trace_meta())
         losses: list[float] = []
         stopped = "steps" if steps is not None else "epochs"
         checkpoint: Path | None = None
@@ -292,15 +293,14 @@ class Trainer:
                 if self._checkpoint_dir is not None and self._saved_step != self.step:
                     checkpoint = self.save_checkpoint()   # the end state too, so --resume can extend a run
         finally:
-            self._trace.close()
+            self.session.close()
         return TrainResult(steps=self.step, skipped=self.scaler.total_skips, loss=losses[-1] if losses else None,
                            scale=self.scaler.get_scale(), stopped=stopped, checkpoint=checkpoint, losses=losses)
 
     def _train_step(self) -> float | None:
         """One optimizer step; None when the data ran out (the partial window is dropped)."""
         step = self.step + 1
-        self._trace.set_step(step)
-        start = time.perf_counter()
+        self.session.begin_step(step)     # the step's clock starts here
         total: torch.Tensor | None = None
         for k, batch in enumerate(self._stream.window()):
             with ddp.no_sync(self._forward_model, k < self.accum - 1):
@@ -318,8 +318,8 @@ class Trainer:
         (loss_value,), stop = ddp.mean_and_any([float(total)], self._signals.signum is not None, self.dist)
         if stop and self._signals.signum is None:
             self._signals.signum = signal.SIGTERM
-        self._trace.write("step", step=step, loss=loss_value, scale=scale, skipped=not stepped, grad_norm=norm,
-                          clipped=clipped, lr=lr, time=time.perf_counter() - start)
+        self.session.write_step(loss=loss_value, scale=scale, skipped=not stepped, grad_norm=norm, clipped=clipped,
+                                lr=lr)
         return loss_value
 
     def _micro_step(self, batch: Any) -> torch.Tensor:
@@ -346,7 +346,7 @@ class Trainer:
             self.masters.grads_to_masters()
         self.scaler.unscale_(self.optimizer)
         norm, clipped = clip_gradients(self._clip_groups, mode=self._clip_mode, max_value=self._clip_max,
-                                       want_norm=self._trace.active)
+                                       want_norm=self.session.active)
         stepped = self.scaler.step(self.optimizer)
         if stepped:
             if self.masters is not None:
@@ -362,8 +362,8 @@ class Trainer:
         return stepped, norm, clipped
 
     def _record_skip(self, step: int, scale: float | None) -> None:
-        params, modules = self._trace.skip(step, scale, self._named, model_grads=self.masters is None)
-        self._skips.record(step, scale, params, modules)
+        found = self.session.skip(scale, self._named, model_grads=self.masters is None)
+        self._skips.record(step, scale, found["params"], found["modules"])
 
     def _halt(self, reason: str, loss: float) -> None:
         diagnosis = halt_diagnosis(reason, self.step, self.scaler, self._skips, loss=loss)
@@ -372,8 +372,8 @@ class Trainer:
         if self.dist.is_main:
             atomic_write_text(directory / DIAGNOSIS, json.dumps(diagnosis, indent=2),
                               hint="choose a writable checkpoint_dir")
-            self._trace.close_watch()   # its last statistics go before the halt event, which ends the trace
-            self._trace.write("halt", step=self.step, reason=reason, diagnosis=diagnosis)
+            self.session.close_watch()   # its last statistics go before the halt event, which ends the trace
+            self.session.write("halt", step=self.step, reason=reason, diagnosis=diagnosis)
         raise TrainingHalted(f"training halted at step {self.step}: {reason}; {describe(diagnosis)}",
                              hint=f"checkpoint and diagnosis in {directory}/; try bfloat16, keep those modules in "
                                   "fp32 (ampaudit check), or lower the learning rate")
