@@ -119,7 +119,7 @@ def test_raise_on_nonfinite_stops_fit_and_removes_hooks():
 
 def test_the_callback_and_the_trainer_drive_one_session_class():
     # one owner of a watched run's trace: the callback's session is the class the Trainer holds
-    from ampaudit.integrations.session import WatchSession
+    from ampaudit.runtime.session import WatchSession
     from ampaudit.train import Trainer
 
     trainer = Trainer(nn.Linear(4, 1), lambda out, y: out.mean(), lambda: [], dtype="float16", handle_signals=False)

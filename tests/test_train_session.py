@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ASSETS, load_module
 
-from ampaudit.integrations.session import WatchSession
+from ampaudit.runtime.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter, read_trace
 from ampaudit.train import Trainer
 

@@ -33,7 +33,7 @@ for _name in ("lightning.pytorch", "pytorch_lightning"):
 if _pl is None:
     require("lightning.pytorch", extra="lightning", feature="ampaudit.integrations.lightning")
 
-from ampaudit.integrations.session import SessionViews, WatchSession  # noqa: E402  (after the dependency check)
+from ampaudit.runtime.session import SessionViews, WatchSession  # noqa: E402  (after the dependency check)
 
 __all__ = ["AmpAuditCallback", "precision_dtype"]
 

@@ -28,7 +28,7 @@ from ampaudit.integrations import require
 _transformers = require("transformers", extra="transformers", feature="ampaudit.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402  (after the dependency check)
 
-from ampaudit.integrations.session import SessionViews, WatchSession  # noqa: E402
+from ampaudit.runtime.session import SessionViews, WatchSession  # noqa: E402
 
 __all__ = ["AmpAuditCallback", "args_dtype"]
 

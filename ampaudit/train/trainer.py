@@ -36,7 +36,7 @@ import torch.nn as nn
 from ampaudit.dtypes import name_of, parse_train_dtype
 from ampaudit.errors import TrainError, TrainingHalted, UsageError
 from ampaudit.fileio import atomic_write_text
-from ampaudit.integrations.session import WatchSession
+from ampaudit.runtime.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
 from ampaudit.train.checkpoint import (
