@@ -88,18 +88,30 @@ def raises_at_autocast_dtypes(interp, n: fx.Node, category: str | None) -> tuple
         return v
 
     args, kwargs = fx.node.map_arg(n.args, as_amp), fx.node.map_arg(n.kwargs, as_amp)
-    try:
-        _call(interp, n, args, kwargs)
-        # Meta kernels do not all check dtypes (cross's does not): the real kernel on zeros has the last word.
-        exc = real_error(interp, n, args, kwargs, max_numel=_CHECK_NUMEL)
-    except NO_KERNEL:
+    if _error(interp, n, args, kwargs) is None:
         return None
-    except Exception as raised:
-        exc = raised
+    # Confirmed under the target's autocast: a composite op is cast in the ops it decomposes into (einsum's
+    # bmm is lowered, so einsum takes mixed dtypes), which the kernel alone does not show.
+    from ampaudit.simulate import simulation
+
+    with torch.autocast("cpu", dtype=interp.policy.low), simulation(interp.policy):
+        exc = _error(interp, n, args, kwargs)
     if exc is None:
         return None
     # The kernel's own words name the dtypes it expected.
     return " ".join(str(exc).split())[:200], sorted(dtypes, key=lambda d: (d.itemsize, str(d)))
+
+
+def _error(interp, n: fx.Node, args, kwargs) -> Exception | None:
+    """What ``n`` raises on these inputs: its fake kernel, then (meta kernels do not all check dtypes; cross's
+    does not) its real kernel on zeros; None when neither raises or no kernel can tell."""
+    try:
+        _call(interp, n, args, kwargs)
+        return real_error(interp, n, args, kwargs, max_numel=_CHECK_NUMEL)
+    except NO_KERNEL:
+        return None
+    except Exception as raised:
+        return raised
 
 
 def real_error(interp, n: fx.Node, args, kwargs, max_numel: int = _CONFIRM_NUMEL) -> Exception | None:
