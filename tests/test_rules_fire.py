@@ -262,3 +262,24 @@ def test_calibrated_raise_on_mixed_dtypes_names_the_cast_as_fix():
     report = ampaudit.check(model, X16, device="cpu", dtype="bfloat16", calibrate=True)
     raised = [f for f in report.findings if f.rule == "AMP602"]
     assert raised and "cast the operands to one dtype" in raised[0].fix, report.to_dict()["findings"]
+
+
+class EinsumAfterBias(nn.Module):
+    """maxvit's attention: scores + an fp32 bias are fp32, v is bf16, and einsum takes both (its bmm is lowered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.bias = nn.Parameter(torch.zeros(4, 4))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attn = (torch.einsum("bid,bjd->bij", q, k) + self.bias).softmax(-1)
+        return torch.einsum("bij,bjd->bid", attn, v)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_composite_op_that_autocast_casts_inside_is_not_a_raise(device):
+    with torch.device(device):
+        model = EinsumAfterBias()
+    assert hits(model, torch.randn(2, 4, 16), device="cpu", dtype="bfloat16", rule="AMP207") == []

@@ -31,6 +31,7 @@ NO_KERNEL = (NotImplementedError, fake_tensor.DynamicOutputShapeException, fake_
 # mixed-dtype op that its fake kernel let through, past the smaller one.
 _CONFIRM_NUMEL = 1 << 27
 _CHECK_NUMEL = 1 << 22
+_UNCONFIRMED = object()
 # Categories whose inputs autocast casts to one dtype before the kernel runs.
 CASTING = frozenset({"lower", "fp32", "fp32_output", "promote"})
 
@@ -94,9 +95,10 @@ def raises_at_autocast_dtypes(interp, n: fx.Node, category: str | None) -> tuple
     # bmm is lowered, so einsum takes mixed dtypes), which the kernel alone does not show.
     from ampaudit.simulate import simulation
 
+    # On CPU zeros (meta tensors never meet autocast); too large to confirm is not reported.
     with torch.autocast("cpu", dtype=interp.policy.low), simulation(interp.policy):
-        exc = _error(interp, n, args, kwargs)
-    if exc is None:
+        exc = real_error(interp, n, args, kwargs, max_numel=_CHECK_NUMEL, too_big=_UNCONFIRMED)
+    if exc is None or exc is _UNCONFIRMED:
         return None
     # The kernel's own words name the dtypes it expected.
     return " ".join(str(exc).split())[:200], sorted(dtypes, key=lambda d: (d.itemsize, str(d)))
@@ -114,11 +116,11 @@ def _error(interp, n: fx.Node, args, kwargs) -> Exception | None:
         return raised
 
 
-def real_error(interp, n: fx.Node, args, kwargs, max_numel: int = _CONFIRM_NUMEL) -> Exception | None:
+def real_error(interp, n: fx.Node, args, kwargs, max_numel: int = _CONFIRM_NUMEL, too_big: Any = None) -> Any:
     """What ``n``'s real kernel raises on zeros of ``args``' shapes and dtypes (fake or meta), or None.
 
-    None too when the inputs and the module's weights hold more than ``max_numel`` elements, or the node is not
-    an op (a higher-order operator, a placeholder).
+    ``too_big`` when the inputs and the module's weights hold more than ``max_numel`` elements; None too when the
+    node is not an op (a higher-order operator, a placeholder).
     """
     if n.op not in ("call_module", "call_function", "call_method") or \
             isinstance(n.target, torch._ops.HigherOrderOperator):
@@ -128,7 +130,7 @@ def real_error(interp, n: fx.Node, args, kwargs, max_numel: int = _CONFIRM_NUMEL
         numel = sum(t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
         numel += sum(p.numel() for p in module.parameters()) if module is not None else 0
         if numel > max_numel:
-            return None
+            return too_big
 
         def real(v):
             if not isinstance(v, torch.Tensor):
