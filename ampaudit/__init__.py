@@ -31,6 +31,8 @@ _EXPORTS = {
     "NonFiniteError": "ampaudit.runtime.watch",
     "locate_nonfinite": "ampaudit.runtime.locate",
     "compare_to_fp32": "ampaudit.runtime.compare",
+    "plan": "ampaudit.planning.api",
+    "Plan": "ampaudit.planning.api",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,4 +1,4 @@
-"""ampaudit.plan.measure and ampaudit.plan.fp8: per-Linear error in float8 / bf16 / fp16 against FP32."""
+"""ampaudit.planning.measure and ampaudit.planning.fp8: per-Linear error in float8 / bf16 / fp16 against FP32."""
 from __future__ import annotations
 
 import copy
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ampaudit.errors import UsageError
-from ampaudit.plan import fp8
-from ampaudit.plan.measure import error_metrics, measure_layers
+from ampaudit.planning import fp8
+from ampaudit.planning.measure import error_metrics, measure_layers
 
 try:
     fp8.import_torchao()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from ampaudit.errors import UsageError
-from ampaudit.plan import speed
-from ampaudit.plan.speed import GPUS, RECIPES, cast_bytes, gemm_seconds, linear_times, load_gpus
+from ampaudit.planning import speed
+from ampaudit.planning.speed import GPUS, RECIPES, cast_bytes, gemm_seconds, linear_times, load_gpus
 
 FP8_GPUS = [name for name, spec in load_gpus().items() if spec["fp8"]]
 SHAPES = [(8192, 8192, 8192), (16, 256, 256), (1024, 2048, 1024), (8192, 4096, 14336), (1, 4096, 4096)]

@@ -63,7 +63,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     try:
         for batch in batches:
             args, kwargs = batch[0], batch[1]
-            loss = _loss(loss_fn, batch[2] if len(batch) > 2 else None)
+            loss = batch_loss(loss_fn, batch[2] if len(batch) > 2 else None)
             cal.batches += 1
             with simulation(policy):
                 events = locate_nonfinite(model, args, kwargs, device_type="cpu", dtype=policy.low, loss=loss)
@@ -97,7 +97,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     return cal
 
 
-def _loss(loss_fn, target) -> Callable[[Any], torch.Tensor]:
+def batch_loss(loss_fn, target) -> Callable[[Any], torch.Tensor]:
     """What calibration differentiates: the model file's loss on this batch's target, else a sum of outputs."""
     if loss_fn is not None and target is not None:
         return lambda out: loss_fn(out, target)

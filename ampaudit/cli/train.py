@@ -35,6 +35,28 @@ def _hooks(loaded) -> tuple:
     return loaded.hook("train_data"), loaded.hook("loss_fn")
 
 
+def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None) -> str:
+    """Convert the model as the plan says (planning first for --dtype float8); the dtype the rest trains in."""
+    from ampaudit.planning.apply import apply_plan, load_plan
+
+    if dtype not in ("float8", "bfloat16", "float16"):
+        raise UsageError(f"--plan trains its other layers under bf16 autocast, not {dtype}",
+                         hint="drop --dtype, or use --dtype bfloat16")
+    if path is not None:
+        data = load_plan(path)
+    else:
+        from ampaudit.analysis.calibrate import batches_from
+        from ampaudit.planning.api import plan as make_plan
+
+        # Measured on the first batches of train_data(); measuring changes nothing in the model.
+        data = make_plan(loaded.model, batches_from(loaded, 4), loss_fn=loaded.hook("loss_fn")).to_dict()
+    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = apply_plan(loaded.model, data, device=target)
+    typer.echo(f"plan: {len(chosen['float8'])} float8 layer(s), {len(chosen['float32'])} float32, the rest bf16",
+               err=True)
+    return "bfloat16"
+
+
 def _save_weights(model: torch.nn.Module, path: Path) -> None:
     atomic_write(path, lambda fh: torch.save(model.state_dict(), fh))
 
@@ -47,7 +69,8 @@ def train(
     entry: Annotated[Optional[str], typer.Option(help="Name of the factory/model in the file.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train (each of --accum micro-batches).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Passes over train_data() instead of --steps.")] = None,
-    dtype: Annotated[str, typer.Option(help="Low-precision dtype: float16, bfloat16 (or float32).")] = "float16",
+    dtype: Annotated[str, typer.Option(help="Low-precision dtype: float16, bfloat16, float8 (plans first, as ampaudit plan does with its defaults, then trains the plan), or float32.")] = "float16",
+    plan: Annotated[Optional[Path], typer.Option(help="A plan from ampaudit plan -o: its float8 layers train in fp8 (torchao), its float32 layers in fp32, the rest under bf16 autocast.")] = None,
     opt_level: Annotated[str, typer.Option("--opt-level", help="O1: fp32 weights + autocast; O2: low-precision "
                                            "weights with FP32 master weights, BatchNorm in fp32.")] = "O1",
     accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = 1,
@@ -97,6 +120,8 @@ def train(
         raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
     loaded = load_target(target, entry=entry, need_inputs=False)
     train_data, loss_fn = _hooks(loaded)
+    if plan is not None or dtype == "float8":
+        dtype = _apply_plan(loaded, plan, dtype, device)
     make_scheduler = loaded.hook("make_scheduler")
     trainer = Trainer(
         loaded.model, loss_fn, train_data, optimizer=loaded.hook("make_optimizer"), scheduler=make_scheduler,

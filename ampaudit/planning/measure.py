@@ -33,10 +33,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from ampaudit.analysis.calibrate import _loss as batch_loss
+from ampaudit.analysis.calibrate import batch_loss
 from ampaudit.errors import AmpAuditError, InputError, UsageError
 from ampaudit.notes import note
-from ampaudit.plan import fp8
+from ampaudit.planning import fp8
 from ampaudit.runtime.locate import capture_rng, preserved
 from ampaudit.runtime.trace import jsonable
 from ampaudit.wrappers import unwrap
@@ -76,7 +76,7 @@ class LayerMeasure:
 
     ``metrics[dtype][role]`` = {"sqnr_db", "rel_l2"} for dtype in the ``dtypes`` measured and role in
     output, grad_input, grad_weight (the grad roles are absent when no gradient reaches the layer's output).
-    ``stats[cast]`` = :func:`ampaudit.plan.fp8.cast_stats` of input, weight and grad_output as the recipe
+    ``stats[cast]`` = :func:`ampaudit.planning.fp8.cast_stats` of input, weight and grad_output as the recipe
     casts them for float8 (empty when float8 is not measured)."""
 
     module: str
@@ -272,7 +272,7 @@ def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = 
     order, from ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``.
 
     The backward differentiates ``loss_fn(output, target)`` for batches with a target, else the sum of the
-    floating outputs. ``recipe``: torchao's float8 recipe (:data:`ampaudit.plan.fp8.RECIPES`); ``dtypes``: some
+    floating outputs. ``recipe``: torchao's float8 recipe (:data:`ampaudit.planning.fp8.RECIPES`); ``dtypes``: some
     of "float8", "bfloat16", "float16". The model runs in the mode it is in; its parameters, gradients,
     buffers and the RNG are as before afterwards. A Linear whose forward never runs (MultiheadAttention's
     out_proj: its weight is used directly) is left out, with a note.

@@ -1,0 +1,82 @@
+"""Applying a plan to a model for training: its float8 layers converted with torchao, its float32 layers kept in
+fp32 under autocast, the rest left to bf16 autocast.
+
+    plan = load_plan("plan.json")                  # or ampaudit.plan(...).to_dict()
+    apply_plan(model, plan, device="cpu")          # in place; returns {"float8": [...], "float32": [...]}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model(x), y)
+
+torchao's ``convert_to_float8_training`` swaps each chosen nn.Linear for a Float8Linear (same parameters and
+state_dict keys, so checkpoints load either way), emulated on CPU and with real FP8 kernels on CUDA GPUs of compute
+capability 8.9 or newer; older GPUs are refused with the reason.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ampaudit.errors import InputError, UsageError
+
+_HINT = "re-run ampaudit plan on this model and pass the new plan"
+
+
+def load_plan(path: str | Path) -> dict:
+    """The plan JSON ``ampaudit plan -o`` wrote; a clear InputError when it is missing or not a plan."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise InputError(f"plan file not found: {p}", hint="write one with ampaudit plan model.py -o plan.json")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{p} is not a readable plan ({type(exc).__name__})", hint=_HINT) from exc
+    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("layers"), list):
+        raise InputError(f"{p} is not an ampaudit plan (version 1)", hint=_HINT)
+    return data
+
+
+def _check_device(device: str | torch.device) -> bool:
+    """True to emulate FP8 (CPU); raises on a CUDA GPU without FP8 Tensor Cores."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise UsageError(f"{name} (compute capability {major}.{minor}) has no FP8 Tensor Cores; float8 training "
+                         f"needs 8.9 or newer (L4, L40, H100, H200, B200)",
+                         hint="train the plan's float8 layers in bf16: drop --plan, or use --dtype bfloat16")
+    return False
+
+
+def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cpu") -> dict[str, list[str]]:
+    """Convert ``model`` in place as ``plan`` says; returns the modules per choice that changed."""
+    from ampaudit.planning.fp8 import config, import_torchao
+    from ampaudit.rewrite.keep_fp32 import keep_fp32
+
+    modules = dict(model.named_modules())
+    chosen: dict[str, list[str]] = {"float8": [], "float32": []}
+    for layer in plan["layers"]:
+        name, choice = layer.get("module"), layer.get("choice")
+        if choice not in ("float8", "bfloat16", "float32"):
+            raise InputError(f"plan layer {name!r} has choice {choice!r}", hint=_HINT)
+        mod = modules.get(name)
+        if not isinstance(mod, nn.Linear):
+            raise InputError(f"the plan names {name!r}, which this model has no Linear for", hint=_HINT)
+        shape = layer.get("shape") or {}
+        if (shape.get("in_features"), shape.get("out_features")) != (mod.in_features, mod.out_features):
+            raise InputError(f"plan layer {name!r} is {shape.get('in_features')}->{shape.get('out_features')}, "
+                             f"the model's is {mod.in_features}->{mod.out_features}", hint=_HINT)
+        if choice in chosen:
+            chosen[choice].append(name)
+    if chosen["float8"]:
+        emulate = _check_device(device)
+        wanted = set(chosen["float8"])
+        import_torchao().convert_to_float8_training(
+            model, config=config(plan.get("recipe", "tensorwise"), emulate=emulate),
+            module_filter_fn=lambda mod, fqn: fqn in wanted)
+    if chosen["float32"]:
+        keep_fp32(model, chosen["float32"])
+    return chosen
