@@ -41,6 +41,13 @@ def test_epochs_and_progress(tmp_path):
     assert "trained 8 steps" in r.stdout and "loss scale off" in r.stdout
 
 
+def test_dtype_float8_plans_first_then_trains():
+    pytest.importorskip("torchao")
+    r = run(MLP, "--steps", "2", "--dtype", "float8", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "plan: " in r.stderr and "float8 layer(s)" in r.stderr and "trained 2 steps" in r.stdout
+
+
 def test_missing_train_data_says_what_to_add():
     r = run(str(ASSETS / "train_no_hooks.py"), "--steps", "2")
     assert r.exit_code == 2
@@ -53,7 +60,7 @@ def test_missing_train_data_says_what_to_add():
     (["--steps", "2", "--clip-norm", "1", "--clip-value", "1"], "not both; drop --clip-norm or --clip-value"),
     (["--steps", "2", "--accum", "0"], "accum must be >= 1, got 0; e.g. --accum 4"),
     (["--steps", "2", "--clip-norm", "-1"], "--clip-norm must be a positive number, got -1.0; e.g. --clip-norm 1.0"),
-    (["--steps", "2", "--dtype", "float8"], "unsupported training dtype"),
+    (["--steps", "2", "--dtype", "int8"], "unsupported training dtype"),
     (["--steps", "2", "--checkpoint-every", "5"], "needs --checkpoint"),
     (["--steps", "2", "--resume"], "needs a checkpoint directory; pass --checkpoint DIR with --resume"),
     (["--steps", "2", "--hysteresis", "0"], "hysteresis must be >= 1"),
