@@ -33,6 +33,7 @@ _EXPORTS = {
     "compare_to_fp32": "ampaudit.runtime.compare",
     "plan": "ampaudit.planning.api",
     "Plan": "ampaudit.planning.api",
+    "doctor": "ampaudit.machine",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

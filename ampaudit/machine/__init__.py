@@ -1,0 +1,12 @@
+"""What this machine and install mean for mixed precision (``ampaudit doctor``).
+
+    facts.py    gather(): the torch build, GPUs, CPU flags, precision flags and extras, as plain data
+    advice.py   judge(facts) and doctor(): one check per fact, with a status and what to change
+
+The package is not named ``doctor``: ``import ampaudit.doctor`` would then bind the module over the
+``ampaudit.doctor()`` function that ``ampaudit/__init__.py`` exports.
+"""
+from ampaudit.machine.advice import doctor, judge
+from ampaudit.machine.facts import gather
+
+__all__ = ["doctor", "gather", "judge"]
