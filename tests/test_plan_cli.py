@@ -143,3 +143,12 @@ def test_cli_plan_table_and_errors(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: ampaudit plan plans float8 layers")
     r = _cli("train", SAMPLE, "--steps", "1", "--plan", tmp_path / "none.json", cwd=tmp_path)
     assert r.returncode == 2 and "plan file not found" in r.stderr
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    plan = {"version": 1, "layers": [{"module": "up", "choice": "float8",
+                                      "shape": {"in_features": 32, "out_features": 64}}]}
+    with pytest.raises(UsageError, match=r"A100-SXM4-80GB \(compute capability 8.0\) has no FP8 Tensor Cores"):
+        apply_plan(MLP(), plan, device="cuda")

@@ -42,11 +42,14 @@ def _check_device(device: str | torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return True
+    from ampaudit.planning.speed import min_float8_capability
+
+    need = min_float8_capability()
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    if major + minor / 10 < need:
         name = torch.cuda.get_device_name(device)
         raise UsageError(f"{name} (compute capability {major}.{minor}) has no FP8 Tensor Cores; float8 training "
-                         f"needs 8.9 or newer (L4, L40, H100, H200, B200)",
+                         f"needs {need:g} or newer (L4, L40, H100, H200, B200)",
                          hint="train the plan's float8 layers in bf16: drop --plan, or use --dtype bfloat16")
     return False
 

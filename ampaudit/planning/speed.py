@@ -33,7 +33,7 @@ from functools import lru_cache
 from ampaudit.errors import RuleError, UsageError
 from ampaudit.policy import read_toml, rules_dir
 
-__all__ = ["GPUS", "RECIPES", "load_gpus", "supports_float8", "gemm_seconds", "cast_bytes", "linear_times"]
+__all__ = ["GPUS", "RECIPES", "load_gpus", "min_float8_capability", "supports_float8", "gemm_seconds", "cast_bytes", "linear_times"]
 
 BF16 = 2   # bytes per element
 FP8 = 1
@@ -125,6 +125,11 @@ def _spec(gpu: str) -> dict:
     if gpu not in gpus:
         raise UsageError(f"unknown gpu {gpu!r}", hint=f"choose one of {', '.join(gpus)}")
     return gpus[gpu]
+
+
+def min_float8_capability() -> float:
+    """The compute capability fp8 Tensor Cores start at (rules/policy/gpus.toml [float8])."""
+    return float(_gpus_toml()["float8"]["min_compute_capability"])
 
 
 def supports_float8(gpu: str) -> bool:
