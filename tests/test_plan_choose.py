@@ -112,3 +112,11 @@ def test_a_non_finite_reference_is_not_a_bf16_failure():
     layer = Measured(metrics=_metrics(fp8=(float("nan"), 22.0, 22.0), bf16_rel=float("nan")))
     plan = choose_layer(layer, budget=BUDGET, speed=FAST)
     assert plan.choice == "bfloat16" and "not measurable" in plan.reasons[0]
+
+
+def test_the_median_row_is_judged_too():
+    """A few huge rows (an attention sink) carry the tensor's SQNR while every other token lost its bits."""
+    layer = Measured()
+    layer.metrics["float8"]["output"]["row_sqnr_db"] = 18.0
+    plan = choose_layer(layer, budget=BUDGET, speed=FAST)
+    assert plan.choice == "bfloat16" and plan.reasons[0].startswith("fp8 output median-row SQNR 18.0 dB < 20 dB")

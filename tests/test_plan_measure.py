@@ -195,7 +195,7 @@ def test_worst_batch_is_kept_and_nonfinite_is_reported():
     calm, hot = torch.randn(8, 16), torch.randn(8, 16) * 1e5     # fp16 overflows on the second
     (a,) = measure_layers(lin, [((calm,), {})], dtypes=("bfloat16", "float16"))
     (both,) = measure_layers(lin, [((calm,), {}), ((hot,), {})], dtypes=("bfloat16", "float16"))
-    assert both.metrics["float16"]["output"] == {"sqnr_db": -math.inf, "rel_l2": math.inf}
+    assert both.metrics["float16"]["output"] == {"sqnr_db": -math.inf, "rel_l2": math.inf, "row_sqnr_db": -math.inf}
     assert both.metrics["bfloat16"]["output"]["sqnr_db"] <= a.metrics["bfloat16"]["output"]["sqnr_db"]
     assert both.stats == {}                                      # float8 not measured
     data = json.loads(json.dumps(both.to_dict(), allow_nan=False))
@@ -247,3 +247,14 @@ def test_cast_stats_counts():
                  "dynamic_range_bits": math.log2(448 * 2 ** 12), "subnormal_share": 0.0}
     s = fp8.cast_stats(torch.tensor([[448.0, 2.0 ** -8]]), dtype=torch.float8_e4m3fn, granularity="tensorwise")
     assert s["subnormal_share"] == 0.5 and s["flushed_share"] == 0
+
+
+def test_median_row_sqnr_sees_what_energy_weighting_hides():
+    from ampaudit.planning.measure import error_metrics
+
+    ref = torch.ones(100, 8)
+    ref[0] *= 1e4                                   # one massive row
+    got = ref.clone()
+    got[1:] += 0.1                                  # every other row 10% off: 20 dB
+    m = error_metrics(ref, got)
+    assert m["sqnr_db"] > 50 and abs(m["row_sqnr_db"] - 20.0) < 0.01

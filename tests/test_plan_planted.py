@@ -33,7 +33,7 @@ from ampaudit.train.checkpoint import LAST  # noqa: E402
 OWN = ROOT / "tests" / "planted_fp8"
 FILES = sorted(p for p in OWN.glob("*.py") if not p.name.startswith("_"))
 # What a culprit's reason says, per EXPECT["reason"] (choose.py's wording).
-REASONS = {"budget": "dB budget", "flushed": "flush to 0 in fp8 (over", "alignment": "not a multiple of 16"}
+REASONS = {"budget": "dB budget", "flushed": "flush to 0 in fp8", "alignment": "not a multiple of 16"}
 BUDGET = Budget.default()
 
 

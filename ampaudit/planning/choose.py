@@ -64,9 +64,14 @@ class LayerPlan:
                          "padded": self.padded, "torchao_filter": self.torchao})
 
 
-def _sqnr(metrics: dict, dtype: str, role: str) -> float:
-    value = metrics.get(dtype, {}).get(role, {}).get("sqnr_db")
-    return float(value) if isinstance(value, (int, float)) else float("nan")
+def _sqnr(metrics: dict, dtype: str, role: str) -> tuple[float, str]:
+    """(dB, what) of the lower of the tensor's SQNR and its median row's (tokens): either losing bits is a loss."""
+    entry = metrics.get(dtype, {}).get(role, {})
+    values = [(float(entry[k]), what) for k, what in (("sqnr_db", "SQNR"), ("row_sqnr_db", "median-row SQNR"))
+              if isinstance(entry.get(k), (int, float))]
+    if not values or any(math.isnan(v) for v, _ in values):
+        return float("nan"), "SQNR"
+    return min(values)
 
 
 def _misaligned(measure: Any, multiple: int) -> dict[str, int]:
@@ -121,15 +126,16 @@ def choose_layer(measure: Any, *, budget: Budget, speed: dict | None = None, pad
     for role, floor in (("output", budget.forward_db), *((r, budget.backward_db) for r in BACKWARD)):
         if role not in measure.metrics.get("float8", {}):
             continue                # no gradient reached this layer: its backward is not trained
-        sqnr = _sqnr(measure.metrics, "float8", role)
+        sqnr, what = _sqnr(measure.metrics, "float8", role)
         source = "input" if role == "output" else "grad_output"
         if math.isnan(sqnr):
             plan.reasons.append(f"fp8 {role.replace('_', ' ')} not measurable (the FP32 reference is not finite)")
         elif not sqnr >= floor:
-            plan.reasons.append(f"fp8 {role.replace('_', ' ')} SQNR {sqnr:.1f} dB < {floor:g} dB budget"
+            plan.reasons.append(f"fp8 {role.replace('_', ' ')} {what} {sqnr:.1f} dB < {floor:g} dB budget"
                                 + _flush_note(measure.stats, source))
     cap = float(settings()["plan"]["max_flushed_share"])
-    for role in ("input", "grad_output"):
+    # rowwise casts input and grad_output a second time along the tokens for the weight gradient.
+    for role in ("input", "grad_output", "input_for_grad_weight", "grad_output_for_grad_weight"):
         share = (measure.stats.get(role) or {}).get("flushed_share")
         if isinstance(share, (int, float)) and share > cap and not any(role.replace("_", " ") in r for r in plan.reasons):
             plan.reasons.append(f"{share:.0%} of the nonzero {role.replace('_', ' ')} values flush to 0 in fp8 "

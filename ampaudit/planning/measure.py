@@ -48,7 +48,7 @@ ROLES = ("output", "grad_input", "grad_weight")
 
 # Over batches and calls the worst value of each number is kept: the lowest SQNR, the highest of the rest.
 _WORST: dict[str, Callable[[float, float], float]] = {
-    "sqnr_db": min, "rel_l2": max,
+    "sqnr_db": min, "rel_l2": max, "row_sqnr_db": min,
     "amax": max, "flushed_share": max, "clipped_share": max, "dynamic_range_bits": max, "subnormal_share": max,
 }
 
@@ -91,20 +91,35 @@ class LayerMeasure:
 
 
 def error_metrics(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
-    """``sqnr_db`` = 10 log10(|ref|^2 / |ref - got|^2) (inf when equal) and ``rel_l2`` = |ref - got| / |ref|,
-    in float64. ``got`` non-finite: -inf / inf; ``ref`` non-finite: NaN (nothing to compare against)."""
+    """``sqnr_db`` = 10 log10(|ref|^2 / |ref - got|^2) (inf when equal), ``rel_l2`` = |ref - got| / |ref| and
+    ``row_sqnr_db`` (the median row's SQNR), in float64. ``got`` non-finite: -inf / inf; ``ref`` non-finite: NaN (nothing to compare against)."""
     if not bool(torch.isfinite(ref).all()):
-        return {"sqnr_db": math.nan, "rel_l2": math.nan}
+        return {"sqnr_db": math.nan, "rel_l2": math.nan, "row_sqnr_db": math.nan}
     if not bool(torch.isfinite(got).all()):
-        return {"sqnr_db": -math.inf, "rel_l2": math.inf}
+        return {"sqnr_db": -math.inf, "rel_l2": math.inf, "row_sqnr_db": -math.inf}
     r = ref.detach().double()
+    diff = got.detach().double() - r
     signal = float(r.square().sum())
-    noise = float((got.detach().double() - r).square().sum())
+    noise = float(diff.square().sum())
     if noise == 0:
-        return {"sqnr_db": math.inf, "rel_l2": 0.0}
+        return {"sqnr_db": math.inf, "rel_l2": 0.0, "row_sqnr_db": math.inf}
     if signal == 0:
-        return {"sqnr_db": -math.inf, "rel_l2": math.inf}
-    return {"sqnr_db": 10 * math.log10(signal / noise), "rel_l2": math.sqrt(noise / signal)}
+        return {"sqnr_db": -math.inf, "rel_l2": math.inf, "row_sqnr_db": -math.inf}
+    return {"sqnr_db": 10 * math.log10(signal / noise), "rel_l2": math.sqrt(noise / signal),
+            "row_sqnr_db": _median_row_sqnr(r, diff)}
+
+
+def _median_row_sqnr(ref: torch.Tensor, diff: torch.Tensor) -> float:
+    """The median over rows (tokens; a weight gradient's output features) of each row's SQNR. The tensor's own
+    SQNR is weighted by energy: a few large rows (an attention sink's massive activations) can hide that every
+    other row lost half its bits."""
+    r2 = ref.reshape(-1, ref.shape[-1]).square().sum(-1) if ref.dim() else ref.square().reshape(1)
+    d2 = diff.reshape(-1, diff.shape[-1]).square().sum(-1) if diff.dim() else diff.square().reshape(1)
+    keep = r2 > 0
+    if not bool(keep.any()):
+        return -math.inf
+    ratio = r2[keep] / d2[keep]                     # inf where a row is exact
+    return float(10 * torch.log10(ratio.median()))
 
 
 def _keep_worst(into: dict, new: dict) -> None:
@@ -156,6 +171,8 @@ def _run_fp16_scaled(layer: nn.Module, x: torch.Tensor, grad_output: torch.Tenso
         out = _run(layer, x, grad_output, autocast=torch.float16, scale=scale)
         if grad_output is None or all(bool(torch.isfinite(out[r]).all()) for r in ("grad_input", "grad_weight")):
             return out
+        if not bool(torch.isfinite(out["output"]).all()):
+            return out          # the forward itself overflows fp16: a smaller loss scale cannot help
         scale /= 2
     return out
 
