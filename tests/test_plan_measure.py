@@ -199,7 +199,7 @@ def test_worst_batch_is_kept_and_nonfinite_is_reported():
     assert both.metrics["bfloat16"]["output"]["sqnr_db"] <= a.metrics["bfloat16"]["output"]["sqnr_db"]
     assert both.stats == {}                                      # float8 not measured
     data = json.loads(json.dumps(both.to_dict(), allow_nan=False))
-    assert data["metrics"]["float16"]["output"] == {"sqnr_db": "-inf", "rel_l2": "inf"}
+    assert data["metrics"]["float16"]["output"] == {"sqnr_db": "-inf", "rel_l2": "inf", "row_sqnr_db": "-inf"}
 
 
 def test_modules_selects_and_unknown_names_say_which():
