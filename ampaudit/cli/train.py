@@ -95,6 +95,7 @@ def train(
     trace_every: Annotated[int, typer.Option(help="Collect tensor statistics every N steps.")] = 50,
     divergence_every: Annotated[Optional[int], typer.Option(help="Compare every module with an FP32 shadow "
                                                             "forward every N steps (needs --trace and O1).")] = None,
+    fp8_fallback: Annotated[bool, typer.Option("--fp8-fallback", help="With --plan and --trace: a float8 layer whose input or grad_output flushes past the plan's budget trains in bf16 from then on (logged in the trace).")] = False,
     tensorboard: Annotated[Optional[Path], typer.Option(help="When training ends, also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom and divergence) as TensorBoard logs here (needs --trace and the tensorboard extra).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (last.pt, halted.pt).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps.")] = None,
@@ -116,6 +117,8 @@ def train(
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     if divergence_every is not None and trace is None:
         raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
+    if fp8_fallback and trace is None:
+        raise UsageError("--fp8-fallback needs --trace FILE", hint="e.g. --plan plan.json --trace run.jsonl --fp8-fallback")
     if checkpoint_every is not None and checkpoint is None:
         raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
     loaded = load_target(target, entry=entry, need_inputs=False)
@@ -128,7 +131,7 @@ def train(
         lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
         clip_mode="layer" if clip_per_layer else "norm", loss_scale=loss_scale,
         max_consecutive_skips=max_consecutive_skips, device=device, trace=trace, trace_every=trace_every,
-        divergence_every=divergence_every,
+        divergence_every=divergence_every, fp8_fallback=fp8_fallback,
         checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every,
         progress=sys.stderr.isatty() if progress is None else progress,
         scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,

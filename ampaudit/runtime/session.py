@@ -21,9 +21,10 @@ The trainer measures the gradient norm itself (it clips) and writes its own even
     session.close_watch(); session.write("halt", step=step, ...)   # the watch's statistics go before the halt
     session.close()
 
-Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``) and the ``step`` events go to one
-trace: the JSON Lines file ``trace``, an open :class:`TraceWriter` (not closed here), or memory
-(``session.events``) when ``trace`` is None and ``memory`` is True.
+Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``), the ``step`` events and, when the
+model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
+(:mod:`ampaudit.runtime.fp8_stats`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
+(not closed here), or memory (``session.events``) when ``trace`` is None and ``memory`` is True.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from ampaudit.runtime.grads import from_flags, nonfinite_grads
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
 
 if TYPE_CHECKING:
+    from ampaudit.runtime.fp8_stats import Fp8Stats
     from ampaudit.runtime.watch import Watch
 
 
@@ -93,13 +95,14 @@ class WatchSession:
 
     ``trace``: a JSON Lines path, an open :class:`TraceWriter` (shared, not closed here), or None: events in
     memory (:attr:`events`) when ``memory``, else no watch and no events (``active`` stays False; the trainer on
-    DDP ranks other than 0, or without ``trace=``).
+    DDP ranks other than 0, or without ``trace=``). ``fp8_fallback``: a Float8Linear whose input or grad_output
+    flushes past the plan's budget trains in bf16 from the next step (logged in its ``fp8_budget`` event).
     """
 
     def __init__(self, trace: str | os.PathLike | TraceWriter | None = None, *, every: int = 50,
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
                  grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
-                 memory: bool = True):
+                 memory: bool = True, fp8_fallback: bool = False):
         self.trace = trace
         self.memory = memory
         self.every, self.divergence_every = every, divergence_every
@@ -108,10 +111,12 @@ class WatchSession:
         # step is attributed from them); without one, every `grad_norm_every` steps (default: `every`).
         self.grad_norm_every = grad_norm_every or every
         self.tensorboard = tensorboard
+        self.fp8_fallback = fp8_fallback
         if tensorboard is not None:  # fail before training, not after it
             from ampaudit.integrations import require
             require("tensorboard", extra="tensorboard", feature="tensorboard=")
         self.watch: Watch | None = None
+        self.fp8: Fp8Stats | None = None
         self.writer: TraceWriter | None = None
         self._owns_writer = False
         self._buffer: io.StringIO | None = None
@@ -166,6 +171,12 @@ class WatchSession:
         # Given an open writer, the watch adds its events to our trace and writes no second meta line.
         self.watch = Watch(model, self.writer, every=self.every, divergence_every=self.divergence_every,
                            dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats)
+        if self.stats:
+            from ampaudit.runtime.fp8_stats import Fp8Stats
+
+            # None unless the model holds torchao Float8Linear layers (a plan's): then `fp8` events too.
+            self.fp8 = Fp8Stats.attach(model, self.writer, every=self.every, fallback=self.fp8_fallback,
+                                       skip=lambda: self.watch is not None and self.watch.replaying)
 
     def begin_step(self, step: int) -> None:
         """Number what follows ``step``; the step's clock starts at its first micro-batch."""
@@ -175,6 +186,8 @@ class WatchSession:
             self._step, self._t0 = step, time.perf_counter()
             self._losses, self._norms = [], ([], None, 1.0)
         self.watch.set_step(step)
+        if self.fp8 is not None:
+            self.fp8.begin_step(step)
 
     def add_loss(self, loss: Any) -> None:
         if self.watch is not None and loss is not None:
@@ -224,6 +237,8 @@ class WatchSession:
         if self.watch is None or self._step is None:
             return
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
+        if self.fp8 is not None:     # the step's fp8 events (its backward is done) go before its `step` line
+            self.fp8.end_step(self._step)
         self.writer.write("step", step=self._step, loss=loss, scale=scale, skipped=bool(skipped),
                           grad_norm=grad_norm, clipped=clipped, lr=lr, time=elapsed)
         self._t0, self._losses, self._norms = None, [], ([], None, 1.0)
@@ -265,6 +280,9 @@ class WatchSession:
     def close_watch(self) -> None:
         """Flush the watch's statistics and remove its hooks; the trace stays open for :meth:`write`."""
         watch, self.watch = self.watch, None
+        fp8, self.fp8 = self.fp8, None
+        if fp8 is not None:
+            fp8.close()
         if watch is not None:
             watch.close()
 

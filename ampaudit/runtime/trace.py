@@ -10,7 +10,10 @@ line so a killed run leaves a readable file; the reader tolerates a truncated or
 Event kinds (version 1): ``meta`` (first line: version, tool, dtype, device, ...), ``step`` (loss, scale, skipped,
 grad_norm, clipped, lr, time), ``stats`` (module, phase, absmax, min_nonzero, inf, nan, zeros, subnormal,
 headroom_bits), ``nonfinite`` (phase forward|backward, module, op, source), ``divergence`` (module, metrics vs
-FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite grads), ``checkpoint``, ``halt``.
+FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite grads), ``checkpoint``, ``halt``,
+and for torchao Float8Linear layers (``ampaudit.runtime.fp8_stats``) ``fp8`` (module; input, weight, grad_output:
+amax, scale, flushed_share, clipped_share) and ``fp8_budget`` (module, role, flushed_share, max_flushed_share,
+fallback). New kinds are additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class Trainer:
                  loss_scale: str | float | LossScaler = "auto", max_consecutive_skips: int | None = 50,
                  scaler_options: dict[str, Any] | None = None,
                  device: str | torch.device | None = None, trace: str | Path | TraceWriter | None = None,
-                 trace_every: int = 50, divergence_every: int | None = None,
+                 trace_every: int = 50, divergence_every: int | None = None, fp8_fallback: bool = False,
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
                  meta: dict[str, Any] | None = None):
@@ -153,10 +153,14 @@ class Trainer:
             # Rank 0 alone runs the FP32 shadow; a SyncBatchNorm in it would wait for the other ranks forever.
             raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
                              hint="drop divergence_every, or check divergence in a single-process run")
+        if fp8_fallback and (trace is None or self.dist.world_size > 1):
+            # Rank 0's trace hooks see the flushing; a layer swapped on one rank alone would split the ranks.
+            raise UsageError("fp8_fallback needs a trace and a single process",
+                             hint="pass trace=..., or drop fp8_fallback under torchrun")
         # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
         # no trace the session watches nothing (memory=False: no in-memory events either).
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
-                                    divergence_every=divergence_every, memory=False)
+                                    divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback)
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
