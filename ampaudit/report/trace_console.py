@@ -95,6 +95,32 @@ def _headroom_table(hr: dict) -> Table:
     return t
 
 
+def _fp8_table(layers: list[dict]) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("module", "left"), ("at step", "right"), ("input amax", "right"), ("input flushed", "right"),
+                      ("grad_output amax", "right"), ("grad_output flushed", "right"), ("clipped", "right")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for r in layers:
+        inp, go = r.get("input") or {}, r.get("grad_output") or {}
+        clipped = max((num((r.get(role) or {}).get("clipped_share")) or 0.0 for role in ("input", "weight",
+                                                                                         "grad_output")))
+        t.add_row(escape(r["module"] or "<top>"), str(r["step"] if r["step"] is not None else "-"),
+                  fmt(inp.get("amax"), ".4g"), fmt(inp.get("flushed_share"), ".1%"),
+                  fmt(go.get("amax"), ".4g"), fmt(go.get("flushed_share"), ".1%"), fmt(clipped, ".1%"))
+    return t
+
+
+def _render_fp8(fp8: dict, c: Console) -> None:
+    c.print(f"\n[bold]Float8 layers[/] (latest cast statistics, {len(fp8['layers'])} layers)")
+    if fp8["layers"]:
+        c.print(_fp8_table(fp8["layers"]))
+    for b in fp8["budget"]:
+        then = "; now trains in bf16" if b.get("fallback") else ""
+        c.print(f"  [yellow]![/] step {b['step']}: {fmt(b['flushed_share'], '.0%')} of "
+                f"[bold]{escape(b['module'] or '<top>')}[/]'s {escape(str(b['role']))} flushes to 0 in fp8 (budget "
+                f"{fmt(b['max_flushed_share'], '.0%')}){then}")
+
+
 def render_summary(summary: dict, console: Console | None = None) -> None:
     """Print every section of the summary that has data; problems with the trace come first."""
     c = console or Console()
@@ -147,6 +173,10 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         c.print(f"\n[bold]Headroom[/] (bits below the {escape(str(dtype))} max; least first, "
                 f"{len(hr['top'])} of {hr['modules']})")
         c.print(_headroom_table(hr))
+
+    fp8 = summary.get("fp8") or {}
+    if fp8.get("layers") or fp8.get("budget"):
+        _render_fp8(fp8, c)
 
     c.print("\n[bold]Recommendations[/]")
     if not summary["recommendations"]:

@@ -1,5 +1,5 @@
 """A trace's mixed-precision health as one plain dict: steps, skips, loss scale, first non-finite, divergence,
-headroom, recommendations.
+headroom, float8 layers (:mod:`ampaudit.report.trace_fp8`), recommendations.
 
     from ampaudit.report.trace_summary import summarize_trace
     summary = summarize_trace("run.jsonl", top=5)
@@ -80,6 +80,8 @@ class TraceData:
     skips: list[dict] = field(default_factory=list)
     checkpoints: list[dict] = field(default_factory=list)
     halts: list[dict] = field(default_factory=list)
+    fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
+    fp8_budget: list[dict] = field(default_factory=list)
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -110,6 +112,8 @@ def _as_step(value: Any) -> int | None:
 
 def collect(events: Iterable[dict]) -> TraceData:
     """Group events by kind. A step event without a step number gets the previous one plus one."""
+    from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
+
     data = TraceData()
     last_step = 0
     for ev in events:
@@ -162,6 +166,10 @@ def collect(events: Iterable[dict]) -> TraceData:
             diag = ev.get("diagnosis")
             data.halts.append({"step": step, "reason": _text(ev.get("reason")),
                                "diagnosis": diag if isinstance(diag, dict) else None})
+        elif kind == "fp8":
+            data.fp8.append(fp8_row(ev, step))
+        elif kind == "fp8_budget":
+            data.fp8_budget.append(budget_row(ev, step))
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -317,6 +325,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     recommendations name the check findings the run confirmed. ``top`` bounds the module tables."""
     from ampaudit.policy import divergence_thresholds
     from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
+    from ampaudit.report.trace_fp8 import fp8_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -342,6 +351,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
                        "grad_top": tables.get("grad", [])[:top], "threshold": high,
                        "first_jump": first_jump(data, high)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
+        "fp8": fp8_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,
