@@ -144,11 +144,14 @@ class ModuleStack:
 
 
 def float_tensors(tree: Any) -> list[torch.Tensor]:
-    """The floating tensors of ``tree`` (tuples, lists, dicts, and dataclass outputs, which pytree leaves whole)."""
+    """The floating tensors of ``tree`` (tuples, lists, dicts, and dataclass outputs, which pytree leaves whole).
+
+    fp8 tensors are left out: they hold the scaled operands of an fp8 GEMM (torchao's Float8Linear), saturated by
+    their cast and without isfinite kernels; the GEMM's own output is what is checked."""
     out = []
     for t in tree_flatten(tree)[0]:
         if isinstance(t, torch.Tensor):
-            if t.is_floating_point():
+            if t.is_floating_point() and t.dtype.itemsize > 1:
                 out.append(t)
         elif dataclasses.is_dataclass(t) and not isinstance(t, type):
             out += float_tensors([getattr(t, f.name) for f in dataclasses.fields(t)])
@@ -156,7 +159,16 @@ def float_tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t for t in tensors if t.numel() and not bool(torch.isfinite(t).all())]
+    return [t for t in tensors if t.numel() and not _finite(t)]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    try:
+        return bool(torch.isfinite(t).all())
+    except NotImplementedError:
+        # A tensor subclass with no isfinite (torchao's Float8TrainingTensor, the scaled fp8 operand of an fp8
+        # GEMM): it is storage, not a value the model computes; the GEMM's output is checked.
+        return True
 
 
 class NonFiniteLocator(TorchDispatchMode):
