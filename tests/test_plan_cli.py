@@ -152,3 +152,12 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
                                       "shape": {"in_features": 32, "out_features": 64}}]}
     with pytest.raises(UsageError, match=r"A100-SXM4-80GB \(compute capability 8.0\) has no FP8 Tensor Cores"):
         apply_plan(MLP(), plan, device="cuda")
+
+
+def test_a_layer_planned_as_padded_is_refused_on_cuda_until_padded(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    plan = {"version": 1, "layers": [{"module": "head", "choice": "float8", "padded": {"out_features": 16},
+                                      "shape": {"in_features": 32, "out_features": 10}}]}
+    with pytest.raises(UsageError, match="float8 only once padded"):
+        apply_plan(MLP(), plan, device="cuda")
+    assert apply_plan(MLP(), plan, device="cpu") == {"float8": ["head"], "float32": []}   # the emulation runs it

@@ -72,6 +72,10 @@ def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cp
         if (shape.get("in_features"), shape.get("out_features")) != (mod.in_features, mod.out_features):
             raise InputError(f"plan layer {name!r} is {shape.get('in_features')}->{shape.get('out_features')}, "
                              f"the model's is {mod.in_features}->{mod.out_features}", hint=_HINT)
+        if choice == "float8" and layer.get("padded") and torch.device(device).type == "cuda":
+            # Planned with --pad: torch._scaled_mm refuses the unpadded dims, so the layer must be padded first.
+            raise UsageError(f"plan layer {name!r} is float8 only once padded to {layer['padded']}",
+                             hint="pad the model first (ampaudit fix --dtype float8 --pad), or re-plan without --pad")
         if choice in chosen:
             chosen[choice].append(name)
     if chosen["float8"]:
