@@ -46,6 +46,15 @@ class Plan:
         differs = [layer.module for layer in self.layers
                    if layer.torchao is not None and layer.torchao != (layer.choice == "float8")]
         out: dict[str, Any] = {"layers": len(self.layers), **counts, "torchao_filter_differs": len(differs)}
+        noises = {layer.module: (layer.metrics.get("float8", {}).get("model_grads") or {}).get("noise")
+                  for layer in self.layers}
+        if self.layers and all(isinstance(n, float) for n in noises.values()):
+            from ampaudit.planning.sensitivity import combined_sqnr
+
+            # Predicted SQNR of every parameter gradient against FP32 with these layers in float8.
+            out["predicted_grad_sqnr_db"] = {
+                "plan": combined_sqnr(noises[m] for m in self.float8_modules()),
+                "all_float8": combined_sqnr(noises.values())}
         times = [layer for layer in self.layers if layer.speed is not None]
         if times and len(times) == len(self.layers):
             bf16 = sum(layer.speed["bfloat16"] for layer in times)
@@ -54,9 +63,11 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        return {"version": PLAN_VERSION, "dtype": "float8", "recipe": self.recipe, "speed_model": self.speed_model,
+        from ampaudit.runtime.trace import jsonable
+
+        return jsonable({"version": PLAN_VERSION, "dtype": "float8", "recipe": self.recipe, "speed_model": self.speed_model,
                 "budget": self.budget.to_dict(), "layers": [layer.to_dict() for layer in self.layers],
-                "summary": self.summary(), "notes": list(self.notes)}
+                "summary": self.summary(), "notes": list(self.notes)})
 
 
 def _torchao_choices(model: nn.Module, recipe: str, names: list[str]) -> dict[str, bool]:
@@ -70,6 +81,7 @@ def _torchao_choices(model: nn.Module, recipe: str, names: list[str]) -> dict[st
 def _plan_for(model: nn.Module, batches: list, recipe: str, *, loss_fn, budget: Budget, speed_model: str,
               tokens: int | None, pad: bool, flagged: dict[str, str] | None) -> Plan:
     from ampaudit.planning.measure import measure_layers
+    from ampaudit.planning.sensitivity import model_sensitivity
 
     measures = measure_layers(model, batches, recipe=recipe, loss_fn=loss_fn)
     for m in measures:
@@ -91,8 +103,12 @@ def _plan_for(model: nn.Module, batches: list, recipe: str, *, loss_fn, budget: 
                                             recipe=recipe)
     layers = choose(measures, budget=budget, speeds=speeds, pad=pad, flagged=flagged)
     theirs = _torchao_choices(model, recipe, [layer.module for layer in layers])
+    # Where each layer's float8 error goes downstream, on the first batch (one FP32 run, then one per layer).
+    spread = model_sensitivity(model, batches[0], [layer.module for layer in layers], recipe=recipe,
+                               loss_fn=loss_fn)
     for layer in layers:
         layer.torchao = theirs.get(layer.module)
+        layer.metrics.setdefault("float8", {})["model_grads"] = spread[layer.module]
     return Plan(recipe, speed_model, budget, layers)
 
 

@@ -35,7 +35,8 @@ def render_plan(plan, console: Console) -> None:
                   title_justify="left", show_lines=False, box=box.SIMPLE_HEAD)
     for col, kw in (("module", {"overflow": "fold", "max_width": 28}), ("in→out × M", {}), ("choice", {}),
                     ("torchao", {}), ("fp8 dB\nout/dx/dw", {"justify": "right"}),
-                    ("bf16 dB\nout", {"justify": "right"}), ("fp8\nspeed", {"justify": "right"}),
+                    ("model\ngrads dB", {"justify": "right"}),
+                    ("fp8\nspeed", {"justify": "right"}),
                     ("why", {"overflow": "fold", "ratio": 1, "min_width": 24})):
         table.add_column(col, **kw)
     for layer in sorted(plan.layers, key=sort_key):
@@ -44,13 +45,17 @@ def render_plan(plan, console: Console) -> None:
         if layer.torchao is not None and layer.torchao != (layer.choice == "float8"):
             theirs = f"[bold]{theirs}[/bold]*"
         table.add_row(layer.module, f"{layer.in_features}→{layer.out_features} × {layer.tokens}",
-                      f"[{_STYLE[layer.choice]}]{layer.choice}[/]", theirs, fp8, _sqnr(layer, "bfloat16", "output"),
+                      f"[{_STYLE[layer.choice]}]{layer.choice}[/]", theirs, fp8, _sqnr(layer, "float8", "model_grads"),
                       f"{layer.speedup:.2f}x" if layer.speedup else "-", escape("; ".join(layer.reasons)))
     console.print(table)
     s = plan.summary()
     line = f"{s['layers']} Linear layer(s): {s['float8']} float8, {s['bfloat16']} bfloat16, {s['float32']} float32"
     if s.get("predicted_linear_speedup"):
         line += f"; predicted Linear GEMM speedup {s['predicted_linear_speedup']:.2f}x over bf16"
+    grads = s.get("predicted_grad_sqnr_db")
+    if grads:
+        line += (f"; model gradients with the plan's float8 layers {_db(grads['plan'])} dB, with every layer "
+                 f"in float8 {_db(grads['all_float8'])} dB (against FP32)")
     if s["torchao_filter_differs"]:
         line += f"; torchao's filter differs on {s['torchao_filter_differs']} (marked *)"
     console.print(line)

@@ -1,0 +1,77 @@
+"""Where a layer's float8 error goes: the whole model's gradients with that one Linear in float8.
+
+    found = model_sensitivity(model, batch, ["blocks.0.fc", "head"], recipe="tensorwise", loss_fn=loss_fn)
+    found["head"]         # {"sqnr_db": 33.3, "noise": 4.7e-4}: every parameter's gradient against FP32
+
+A layer's own error (``measure``) is judged on the gradient that reaches it in FP32; what its forward error does
+downstream is not seen there. The output head is the usual case: its logits feed the softmax, whose gradient
+``p - y`` then carries the head's error into every other layer. Here the model runs once in FP32 and once per
+layer with only that layer swapped for torchao's Float8Linear (emulated; the rest stays FP32, so the difference is
+that layer's alone), and all parameter gradients are compared, concatenated. ``noise`` is 10^(-SQNR/10), the
+error power relative to the gradient's: independent layers' noises add, so the sum over a set of float8 layers
+predicts the model's gradient SQNR with all of them in float8 (``combined_sqnr``).
+
+The model is unchanged afterwards: gradients are taken with ``autograd.grad`` (no ``.grad`` is written), each
+swapped module is put back, and every run starts from the same RNG state (the same dropout masks).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ampaudit.analysis.calibrate import batch_loss
+
+
+def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn, rng: torch.Tensor) -> torch.Tensor:
+    args, kwargs = tuple(batch[0]), dict(batch[1])
+    target = batch[2] if len(batch) > 2 else None
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        torch.set_rng_state(rng)
+        loss = batch_loss(loss_fn, target)(model(*args, **kwargs))
+        grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+    return torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if g is None else g.detach().double().flatten()
+                      for p, g in zip(params, grads)])
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    if not bool(torch.isfinite(got).all()):
+        return -math.inf
+    noise = float((got - ref).square().sum())
+    signal = float(ref.square().sum())
+    return math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+
+
+def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, recipe: str = "tensorwise",
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, dict[str, float]]:
+    """For each Linear in ``names``: the SQNR of all parameter gradients against FP32 with that layer alone in
+    float8, and its ``noise`` (see the module docstring). ``batch``: ``(args, kwargs[, target])``."""
+    from ampaudit.planning.fp8 import config, import_torchao
+
+    float8_linear = import_torchao().float8_linear.Float8Linear
+    cfg = config(recipe)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rng = torch.get_rng_state()
+    ref = _grads(model, params, batch, loss_fn, rng)
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        original = getattr(parent, attr)
+        # Shares the Parameters: nothing is copied, and the gradients line up with the reference's.
+        setattr(parent, attr, float8_linear.from_float(original, config=cfg))
+        try:
+            sqnr = _sqnr(ref, _grads(model, params, batch, loss_fn, rng))
+        finally:
+            setattr(parent, attr, original)
+        out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
+    torch.set_rng_state(rng)
+    return out
+
+
+def combined_sqnr(noises: Iterable[float]) -> float:
+    """The predicted gradient SQNR of the model with every layer of these noises in float8 (inf: none)."""
+    total = sum(noises)
+    return math.inf if total == 0 else -10 * math.log10(total)
