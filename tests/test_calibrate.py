@@ -110,3 +110,24 @@ def test_an_inf_an_fp32_op_makes_is_not_a_precision_finding():
     from _shared_models import MaskedLogBuckets
     report = ampaudit.check(MaskedLogBuckets(8), torch.randn(8, 8), device="cpu", calibrate=True)
     assert not [f for f in report.findings if f.family == "nonfinite"]
+
+
+def test_infinite_buffers_that_mean_no_clamp_are_not_range_findings():
+    """gemma4_vit keeps clamp bounds as buffers of +-inf: they are inf in the low dtype too, nothing changes."""
+    import ampaudit
+    from torch import nn
+
+    class Clamped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.register_buffer("input_min", torch.tensor(-float("inf")))
+            self.register_buffer("input_max", torch.tensor(float("inf")))
+            self.register_buffer("big", torch.tensor(1e6))       # a finite value past fp16's max still is one
+
+        def forward(self, x):
+            return self.fc(x.clamp(self.input_min, self.input_max))
+
+    report = ampaudit.check(Clamped(), torch.randn(8, 16), device="cuda", dtype="float16", calibrate=True)
+    flagged = [f.message for f in report.findings if f.rule == "AMP501"]
+    assert len(flagged) == 1 and flagged[0].startswith("big "), flagged

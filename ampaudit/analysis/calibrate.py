@@ -91,7 +91,10 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     limit = torch.finfo(policy.low).max
     for name, buf in model.named_buffers():
         if buf.is_floating_point() and not buf.is_meta and buf.numel():
-            value = float(buf.detach().abs().max())
+            # Largest finite magnitude: an inf or NaN already in FP32 (clamp bounds of +-inf that mean "no
+            # clamp", as gemma4_vit's input_min/input_max) is the same value in the low dtype; nothing is lost.
+            finite = buf.detach()[torch.isfinite(buf.detach())]
+            value = float(finite.abs().max()) if finite.numel() else 0.0
             if value > limit:
                 cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
