@@ -162,8 +162,8 @@ class AmpProp(fx.Interpreter):
                 # The model mixes dtypes itself (x.half() meets an fp32 weight), as only autocast lets it run:
                 # shapes go on from the promoted inputs; whether the target's autocast runs it is judged below.
                 result = run_promoted(self, n)
-            if result is None and n.op != "placeholder" and not isinstance(exc, _NO_KERNEL):
-                self._raise_if_real_kernel_raises(n, op)
+                if result is None:
+                    self._raise_if_real_kernel_raises(n, op)
             if result is None:
                 info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                 self.unknown.append(n)

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from ampaudit.errors import UsageError
-from ampaudit.planning.choose import CHOICES, Budget, LayerPlan, choose
+from ampaudit.planning.choose import CHOICES, Budget, LayerPlan, choose, misaligned_dims
 
 PLAN_VERSION = 1
 RECIPES = ("tensorwise", "rowwise", "auto")
@@ -95,10 +95,7 @@ def _plan_for(model: nn.Module, batches: list, recipe: str, *, loss_fn, budget: 
         for m in measures:
             dims = {"in_features": m.in_features, "out_features": m.out_features}
             if pad:   # a padded layer's GEMMs run at the padded width
-                from ampaudit.planning.choose import _misaligned
-                from ampaudit.policy import settings
-
-                dims.update(_misaligned(m, int(settings()["plan"]["fp8_multiple"])))
+                dims.update(misaligned_dims(m))
             speeds[m.module] = linear_times(m.tokens, dims["in_features"], dims["out_features"], speed_model,
                                             recipe=recipe)
     layers = choose(measures, budget=budget, speeds=speeds, pad=pad, flagged=flagged)

@@ -74,8 +74,9 @@ def _sqnr(metrics: dict, dtype: str, role: str) -> tuple[float, str]:
     return min(values)
 
 
-def _misaligned(measure: Any, multiple: int) -> dict[str, int]:
-    """{dim: padded size} for the weight dims that are not multiples of ``multiple``."""
+def misaligned_dims(measure: Any) -> dict[str, int]:
+    """{dim: padded size} for the weight dims that are not multiples of the fp8 multiple ([plan] fp8_multiple)."""
+    multiple = int(settings()["plan"]["fp8_multiple"])
     out = {}
     for dim in ("in_features", "out_features"):
         size = getattr(measure, dim)
@@ -116,12 +117,12 @@ def choose_layer(measure: Any, *, budget: Budget, speed: dict | None = None, pad
         plan.choice = "float32"
         plan.reasons.append(bf16)
         return plan
-    multiple = int(settings()["plan"]["fp8_multiple"])
-    misaligned = _misaligned(measure, multiple)
+    misaligned = misaligned_dims(measure)
     if misaligned and pad:
         plan.padded = misaligned
     elif misaligned:
         dims = ", ".join(f"{d} {getattr(measure, d)}" for d in misaligned)
+        multiple = int(settings()["plan"]["fp8_multiple"])
         plan.reasons.append(f"{dims} not a multiple of {multiple} (--pad pads it without changing results)")
     for role, floor in (("output", budget.forward_db), *((r, budget.backward_db) for r in BACKWARD)):
         if role not in measure.metrics.get("float8", {}):

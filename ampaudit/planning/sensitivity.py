@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ampaudit.analysis.calibrate import batch_loss
+from ampaudit.planning.measure import error_metrics
 
 
 def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn, rng: torch.Tensor) -> torch.Tensor:
@@ -34,14 +35,6 @@ def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn, 
         grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
     return torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if g is None else g.detach().double().flatten()
                       for p, g in zip(params, grads)])
-
-
-def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
-    if not bool(torch.isfinite(got).all()):
-        return -math.inf
-    noise = float((got - ref).square().sum())
-    signal = float(ref.square().sum())
-    return math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
 
 
 def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, recipe: str = "tensorwise",
@@ -63,7 +56,7 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
         # Shares the Parameters: nothing is copied, and the gradients line up with the reference's.
         setattr(parent, attr, float8_linear.from_float(original, config=cfg))
         try:
-            sqnr = _sqnr(ref, _grads(model, params, batch, loss_fn, rng))
+            sqnr = error_metrics(ref, _grads(model, params, batch, loss_fn, rng))["sqnr_db"]
         finally:
             setattr(parent, attr, original)
         out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
