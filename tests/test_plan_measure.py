@@ -243,7 +243,7 @@ def test_cast_stats_counts():
     t = torch.tensor([[448.0, 1.0, 0.0, 2.0 ** -12]])
     s = fp8.cast_stats(t, dtype=torch.float8_e4m3fn, granularity="tensorwise")
     # scale 1: 2**-12 is below half e4m3's smallest subnormal (2**-9) and flushes; nothing saturates.
-    assert s == {"amax": 448.0, "flushed_share": 1 / 3, "clipped_share": 0.0,
+    assert s == {"amax": 448.0, "scale": 1.0, "flushed_share": 1 / 3, "clipped_share": 0.0,
                  "dynamic_range_bits": math.log2(448 * 2 ** 12), "subnormal_share": 0.0}
     s = fp8.cast_stats(torch.tensor([[448.0, 2.0 ** -8]]), dtype=torch.float8_e4m3fn, granularity="tensorwise")
     assert s["subnormal_share"] == 0.5 and s["flushed_share"] == 0

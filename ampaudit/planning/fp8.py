@@ -111,7 +111,8 @@ def cast_stats(t: torch.Tensor, *, dtype: torch.dtype, granularity="tensorwise",
     ``axiswise_dim``, the reduction dim of the GEMM the cast feeds) or a torchao ``ScalingGranularity``.
     Shares are of the finite nonzero values of ``t``: ``flushed_share`` become 0, ``clipped_share`` saturate
     at the format's max (beyond its rounding interval), ``subnormal_share`` land below its smallest normal.
-    ``dynamic_range_bits`` is log2(amax / smallest nonzero |x|) over the whole tensor; ``amax`` is max |x|.
+    ``dynamic_range_bits`` is log2(amax / smallest nonzero |x|) over the whole tensor; ``amax`` is max |x|;
+    ``scale`` is torchao's scale (the smallest one of an axiswise cast).
     """
     import_torchao()
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
@@ -121,13 +122,14 @@ def cast_stats(t: torch.Tensor, *, dtype: torch.dtype, granularity="tensorwise",
     magnitude = x.abs()
     counted = (magnitude > 0) & torch.isfinite(x)
     n = int(counted.sum())
-    if n == 0:
-        amax = float(magnitude.max()) if x.numel() else 0.0
-        return {"amax": amax, "flushed_share": 0.0, "clipped_share": 0.0, "dynamic_range_bits": 0.0,
-                "subnormal_share": 0.0}
     scale = tensor_to_scale(x, dtype, scaling_granularity=g,
                             axiswise_dim=axiswise_dim if g.value == "axiswise" else None,
                             round_scales_to_power_of_2=round_scales_to_power_of_2)
+    smallest_scale = float(scale.min())
+    if n == 0:
+        amax = float(magnitude.max()) if x.numel() else 0.0
+        return {"amax": amax, "scale": smallest_scale, "flushed_share": 0.0, "clipped_share": 0.0,
+                "dynamic_range_bits": 0.0, "subnormal_share": 0.0}
     # Exactly torchao's cast (_ToFloat8ConstrFunc): fp32 multiply by the scale, then a saturated cast.
     scaled = x * scale
     q = to_fp8_saturated(scaled, dtype).float()
@@ -141,5 +143,5 @@ def cast_stats(t: torch.Tensor, *, dtype: torch.dtype, granularity="tensorwise",
     subnormal = int((counted & (q_mag > 0) & (q_mag < info.tiny)).sum())
     smallest = float(magnitude[counted].min())
     finite_max = float(magnitude[counted].max())
-    return {"amax": amax, "flushed_share": flushed / n, "clipped_share": clipped / n,
+    return {"amax": amax, "scale": smallest_scale, "flushed_share": flushed / n, "clipped_share": clipped / n,
             "dynamic_range_bits": math.log2(finite_max / smallest), "subnormal_share": subnormal / n}

@@ -49,7 +49,7 @@ ROLES = ("output", "grad_input", "grad_weight")
 # Over batches and calls the worst value of each number is kept: the lowest SQNR, the highest of the rest.
 _WORST: dict[str, Callable[[float, float], float]] = {
     "sqnr_db": min, "rel_l2": max, "row_sqnr_db": min,
-    "amax": max, "flushed_share": max, "clipped_share": max, "dynamic_range_bits": max, "subnormal_share": max,
+    "amax": max, "scale": min, "flushed_share": max, "clipped_share": max, "dynamic_range_bits": max, "subnormal_share": max,
 }
 
 # The float8 casts torchao makes in one Linear (float8_linear.matmul_with_hp_or_float8_args): stats key,
