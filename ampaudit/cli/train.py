@@ -4,9 +4,12 @@ accumulation, master weights, checkpoints and an optional trace.
     ampaudit train model.py --steps 1000 --dtype float16 --accum 4 --clip-norm 1.0 \\
         --checkpoint ckpt --checkpoint-every 100 --trace run.jsonl --save final.pt
     torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --accum 2
+    torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --fsdp --dtype bfloat16 --checkpoint ckpt
+    torchrun --nproc-per-node 2 -m ampaudit train model.py --fsdp --preflight-only
 
 The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``
-and ``make_scheduler(optimizer)``). Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N.
+and ``make_scheduler(optimizer)``). Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N;
+``--preflight-only``: 0 when every check passes, 1 when one fails.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ import typer
 from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import AmpAuditError, TrainError, UsageError
 from ampaudit.fileio import atomic_write
-from ampaudit.train.checkpoint import LAST
 
 
 def _hooks(loaded) -> tuple:
@@ -57,8 +59,8 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None) -> st
     return "bfloat16"
 
 
-def _save_weights(model: torch.nn.Module, path: Path) -> None:
-    atomic_write(path, lambda fh: torch.save(model.state_dict(), fh))
+def _save_weights(state: dict, path: Path) -> None:
+    atomic_write(path, lambda fh: torch.save(state, fh))
 
 
 @app.command()
@@ -103,12 +105,18 @@ def train(
     save: Annotated[Optional[Path], typer.Option(help="Write the final model.state_dict() here.")] = None,
     progress: Annotated[Optional[bool], typer.Option(help="Show a progress bar (default: when stderr is a "
                                                      "terminal).")] = None,
+    fsdp: Annotated[bool, typer.Option("--fsdp", help="Shard with FSDP2 (fully_shard) instead of DDP: fp32 shards "
+                                       "are the master weights, the dtype is for compute; checkpoints are sharded (DCP).")] = False,
+    fsdp_wrap: Annotated[Optional[str], typer.Option(help="With --fsdp: module classes to shard one by one, comma-separated (default: the model's repeated blocks).")] = None,
+    reduce_dtype: Annotated[str, typer.Option(help="With --fsdp: dtype gradients are reduce-scattered in.")] = "float32",
+    compile: Annotated[bool, typer.Option("--compile", help="Run the forward through torch.compile (the watch sees eager runs of its sampled steps).")] = False,
+    preflight_only: Annotated[bool, typer.Option("--preflight-only", help="Run the precision preflight (FP32 masters, FSDP group dtypes, reduce dtype, memory per rank, all-reduce self-test), print one line per check, exit 0/1.")] = False,
 ) -> None:
     """Train a model file under mixed precision: loss scaling, clipping, accumulation, master weights, resume."""
     from ampaudit.loading import load_target
     from ampaudit.train.trainer import Trainer
 
-    if (steps is None) == (epochs is None):
+    if (steps is None) == (epochs is None) and not preflight_only:
         raise UsageError("give --steps N or --epochs E", hint="e.g. ampaudit train model.py --steps 1000")
     if tensorboard is not None:
         if trace is None:
@@ -126,13 +134,22 @@ def train(
     if plan is not None or dtype == "float8":
         dtype = _apply_plan(loaded, plan, dtype, device)
     make_scheduler = loaded.hook("make_scheduler")
+    wrap = [c.strip() for c in fsdp_wrap.split(",") if c.strip()] if fsdp_wrap else None
+    if preflight_only:
+        from ampaudit.train.preflight import preflight_only as run_checks
+
+        checks = run_checks(loaded.model, dtype=dtype, opt_level=opt_level, accum=accum, fsdp=fsdp, fsdp_wrap=wrap,
+                            reduce_dtype=reduce_dtype, device=device, optimizer=loaded.hook("make_optimizer"))
+        raise typer.Exit(1 if any(c.status == "fail" for c in checks) else 0)
     trainer = Trainer(
         loaded.model, loss_fn, train_data, optimizer=loaded.hook("make_optimizer"), scheduler=make_scheduler,
         lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
         clip_mode="layer" if clip_per_layer else "norm", loss_scale=loss_scale,
         max_consecutive_skips=max_consecutive_skips, device=device, trace=trace, trace_every=trace_every,
         divergence_every=divergence_every, fp8_fallback=fp8_fallback,
-        checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every, fsdp=fsdp, reduce_dtype=reduce_dtype,
+        fsdp_wrap=wrap,
+        compile=compile,
         progress=sys.stderr.isatty() if progress is None else progress,
         scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,
                         "min_scale": min_scale, "max_scale": max_scale, "skip_window": skip_window,
@@ -140,14 +157,15 @@ def train(
         meta={"target": loaded.display, "argv": sys.argv[1:]})
     main = trainer.dist.is_main
     if resume and main and checkpoint is not None:
-        last = checkpoint / LAST
-        typer.echo(f"resuming from {last}" if last.is_file() else f"no checkpoint at {last}; starting fresh",
-                   err=True)
+        typer.echo(f"resuming from {checkpoint}" if trainer.has_checkpoint()
+                   else f"no checkpoint in {checkpoint}; starting fresh", err=True)
     try:
         with trainer:               # on leaving: every rank waits for the others, then the group is left
             result = trainer.fit(steps, epochs=epochs, resume=resume)
-            if save is not None and main:
-                _save_weights(trainer.model, save)
+            if save is not None:
+                state = trainer.full_state_dict()     # collective under FSDP
+                if main:
+                    _save_weights(state, save)
     except AmpAuditError as exc:
         if main:
             raise

@@ -102,8 +102,10 @@ class WatchSession:
     def __init__(self, trace: str | os.PathLike | TraceWriter | None = None, *, every: int = 50,
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
                  grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
-                 memory: bool = True, fp8_fallback: bool = False):
+                 memory: bool = True, fp8_fallback: bool = False, replays: bool = True,
+                 stats_every: int | None = None):
         self.trace = trace
+        self.replays, self.stats_every = replays, stats_every
         self.memory = memory
         self.every, self.divergence_every = every, divergence_every
         self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
@@ -169,8 +171,11 @@ class WatchSession:
         from ampaudit.runtime.watch import Watch
 
         # Given an open writer, the watch adds its events to our trace and writes no second meta line.
+        options: dict[str, Any] = {} if self.replays else {"locate_first": False, "max_replays": 0}
+        if self.stats_every is not None:
+            options["stats_every"] = self.stats_every
         self.watch = Watch(model, self.writer, every=self.every, divergence_every=self.divergence_every,
-                           dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats)
+                           dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats, **options)
         if self.stats:
             from ampaudit.runtime.fp8_stats import Fp8Stats
 
@@ -188,6 +193,21 @@ class WatchSession:
         self.watch.set_step(step)
         if self.fp8 is not None:
             self.fp8.begin_step(step)
+
+    def due(self, step: int) -> bool:
+        """Whether the watch wants to see ``step``'s passes: the first step, one per ``every``, the divergence
+        checks and the fp8 samples (a compiled trainer runs those steps eagerly)."""
+        if self.watch is None:
+            return False
+        dv = self.divergence_every
+        return (step == self.watch.first_step or step % self.every == 0 or (dv is not None and step % dv == 0)
+                or (self.fp8 is not None and self.fp8.sampled(step)))
+
+    def set_hooks(self, on: bool) -> None:
+        """Attach (``on``) or detach the watch's module hooks, e.g. around passes of a compiled model, which
+        would otherwise trace them into its graph."""
+        if self.watch is not None:
+            self.watch.set_hooks(on)
 
     def add_loss(self, loss: Any) -> None:
         if self.watch is not None and loss is not None:
@@ -244,19 +264,20 @@ class WatchSession:
         self._t0, self._losses, self._norms = None, [], ([], None, 1.0)
 
     def skip(self, scale: float | None, named: list[tuple[str, torch.Tensor]], *,
-             model_grads: bool) -> dict[str, list[str]]:
+             model_grads: bool, found: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
         """The loss scaler skipped the current step, whose gradients the caller holds (the trainer): write the
         ``skip`` event and return ``{"params", "modules"}`` with non-finite gradients.
 
         ``model_grads``: the gradients still sit on the watched model (O1), where the watch names them and
         replays the overflowing pass to locate it; else (O2: on the FP32 masters) those of ``named`` are named.
         Without a watch nothing is written, but the attribution is still returned (a halt diagnosis needs it).
+        ``found``: the attribution the caller already joined across ranks (sharded gradients), used as is.
         """
         if self.watch is not None and model_grads:
-            info = self.watch.on_skipped_step(scale) or {}
+            info = self.watch.on_skipped_step(scale, found=found) or {}
             found = {"params": list(info.get("params", [])), "modules": list(info.get("modules", []))}
         else:
-            found = nonfinite_grads(named)
+            found = found if found is not None else nonfinite_grads(named)
             self.write("skip", step=self._step, scale=scale, **found)
         if self.watch is not None:
             self.skips.append({"step": self._step, **found})

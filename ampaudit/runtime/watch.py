@@ -116,12 +116,9 @@ class Watch(PassHooks):
         self._replays = 0
         self._replayed_interval: int | None = None
         self._pending_error: NonFiniteError | None = None
-        self._handles: list[Any] = [
-            self.root.register_forward_pre_hook(self._on_forward_start, with_kwargs=True)]
-        if stats:
-            for mod in self._names:
-                self._handles.append(mod.register_forward_hook(self._on_module_output))
-        self._handles.append(self.root.register_forward_hook(self._on_forward_end))
+        self.first_step: int | None = None
+        self._handles: list[Any] = []
+        self.set_hooks(True)
         if self._log.writes_meta:
             self._emit("meta", version=TRACE_VERSION, source="watch", dtype=name_of(dtype),
                        device=self.device_type, model=type(self.root).__name__, every=every,
@@ -130,8 +127,26 @@ class Watch(PassHooks):
                        local_divergence_every=local_divergence_every)
 
     # --- public loop integration ---------------------------------------------------------------------
+    def set_hooks(self, on: bool) -> None:
+        """Attach (``on``) or detach every module hook; the statistics so far are kept. Passes run while
+        detached are not seen at all (a compiled model's: its graph must not trace the hooks)."""
+        if not on or self.closed:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            return
+        if self._handles:
+            return
+        self._handles.append(self.root.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+        if self.stats:
+            for mod in self._names:
+                self._handles.append(mod.register_forward_hook(self._on_module_output))
+        self._handles.append(self.root.register_forward_hook(self._on_forward_end))
+
     def set_step(self, step: int) -> None:
         """Number the following forwards/backwards ``step`` (else each forward counts as one step)."""
+        if self.first_step is None:
+            self.first_step = int(step)
         self._explicit_step = True
         if step != self.step:
             self._maybe_flush(step)
@@ -143,12 +158,13 @@ class Watch(PassHooks):
             self._end_pass()
         self._raise_pending()
 
-    def on_skipped_step(self, scale: float) -> dict:
+    def on_skipped_step(self, scale: float, found: dict | None = None) -> dict:
         """The loss scaler skipped this step: name the parameters (and their modules) with inf/NaN grads.
 
-        Writes a ``skip`` event and returns ``{"params": [...], "modules": [...]}``.
+        Writes a ``skip`` event and returns ``{"params": [...], "modules": [...]}``. ``found``: that
+        attribution already made by the caller (sharded gradients, joined across ranks).
         """
-        found = nonfinite_grads(self.root.named_parameters())
+        found = found if found is not None else nonfinite_grads(self.root.named_parameters())
         bad, modules = found["params"], found["modules"]
         self._emit("skip", scale=float(scale), params=bad, modules=modules)
         # The step was skipped, so the weights are still those of the pass that overflowed: replay it.

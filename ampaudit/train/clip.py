@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ampaudit.errors import UsageError
+from ampaudit.train.fsdp import full_tensor
 
 CLIP_MODES = ("norm", "layer", "value")
 
@@ -42,8 +43,9 @@ def total_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
     grads = _grads(params)
     if not grads:
         return torch.zeros(())
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2.0)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    # get_total_norm reduces FSDP's sharded gradients (DTensors) across ranks: a collective then.
+    return full_tensor(torch.nn.utils.get_total_norm([g.float() if g.dtype != torch.float32 else g for g in grads],
+                                                     2.0, foreach=True))
 
 
 def clip_gradients(groups: Sequence[Sequence[torch.Tensor]], *, mode: str | None, max_value: float | None,
@@ -56,11 +58,12 @@ def clip_gradients(groups: Sequence[Sequence[torch.Tensor]], *, mode: str | None
     if mode is None:
         return (float(total_norm(params)) if want_norm else None), False
     if mode == "norm":
-        norm = torch.nn.utils.clip_grad_norm_(params, max_value, foreach=True)
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_value, foreach=True))
         value = float(norm)
         return value, math.isfinite(value) and value > max_value
     if mode == "layer":
-        norms = [torch.nn.utils.clip_grad_norm_(group, max_value, foreach=True) for group in groups if group]
+        norms = [full_tensor(torch.nn.utils.clip_grad_norm_(group, max_value, foreach=True))
+                 for group in groups if group]
         per_layer = torch.stack(norms) if norms else torch.zeros(1)
         value = float(torch.linalg.vector_norm(per_layer, 2.0))
         return value, bool(torch.isfinite(per_layer).all() and (per_layer > max_value).any())
@@ -69,7 +72,7 @@ def clip_gradients(groups: Sequence[Sequence[torch.Tensor]], *, mode: str | None
     value = float(total_norm(params)) if want_norm else None
     clipped = False
     if grads:
-        absmax = torch.stack(torch._foreach_norm(grads, math.inf)).max()
+        absmax = full_tensor(torch.nn.utils.get_total_norm(grads, math.inf, foreach=True))
         clipped = bool(torch.isfinite(absmax) and absmax > max_value)
         torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
     return value, clipped

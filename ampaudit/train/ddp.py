@@ -40,9 +40,16 @@ class DistContext:
         return self.rank == 0
 
 
-def setup(device_type: str) -> DistContext:
-    """Join the process group torchrun describes, if any; return this process's context."""
+def setup(device_type: str, *, group: bool = False) -> DistContext:
+    """Join the process group torchrun describes, if any; return this process's context. ``group``: a single
+    process needs one too (FSDP shards over a group, even of one), made in memory when torchrun made none."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 and group and dist.is_available() and not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        else:
+            dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return DistContext(joined=True)
     if world <= 1:
         return DistContext()
     if not dist.is_available():

@@ -13,6 +13,9 @@ One optimizer step = one window of ``accum`` micro-batches (per rank)::
 
 Under ``torchrun`` the ``with`` block is all a script needs: the trainer joins the process group (gloo on CPU,
 nccl on CUDA), wraps the model in DDP, and on leaving waits for every rank and leaves the group it joined.
+``fsdp=True`` shards it with FSDP2 instead (:mod:`ampaudit.train.fsdp`: fp32 shards are the master weights,
+sharded checkpoints through DCP) after a precision preflight (:mod:`ampaudit.train.preflight`); ``compile=True``
+runs the forward through ``torch.compile`` (the watch sees eager replays of its sampled steps only).
 
 ``train_data`` is a function returning an iterable of ``(inputs, target)`` (inputs: a Tensor, a tuple of them, or a
 dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``optimizer`` is a factory called with the
@@ -22,6 +25,7 @@ diagnosis; SIGINT/SIGTERM end the run after the current step with a checkpoint (
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import signal
@@ -39,22 +43,17 @@ from ampaudit.fileio import atomic_write_text
 from ampaudit.runtime.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
-from ampaudit.train.checkpoint import (
-    DIAGNOSIS,
-    HALTED,
-    LAST,
-    capture_rng,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-)
+from ampaudit.train import fsdp as fsdp_lib
+from ampaudit.train.checkpoint import DIAGNOSIS, HALTED
 from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
 from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
+from ampaudit.train.preflight import Check, failed, resource_checks, structure_checks
 from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
 from ampaudit.train.signals import StopSignals
+from ampaudit.train.state import TrainerState
 
 DEFAULT_HALT_DIR = Path("ampaudit-halt")   # where a halt checkpoint goes when no checkpoint_dir was given
 
@@ -72,9 +71,24 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
 
 
-class Trainer:
-    """Mixed-precision trainer: O1/O2, loss-scale policy, clipping, accumulation, DDP, checkpoints."""
+def _leaves_group_on_error(init: Callable) -> Callable:
+    """A constructor that fails after joining the process group leaves it again (a preflight refusal, a bad
+    optimizer): the caller never owned that group and could not tear it down."""
+    @functools.wraps(init)
+    def wrapper(self: "Trainer", *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "dist", None) is not None:
+                ddp.teardown(self.dist)
+            raise
+    return wrapper
 
+
+class Trainer(TrainerState):
+    """Mixed-precision trainer: O1/O2, loss-scale policy, clipping, accumulation, DDP/FSDP, checkpoints."""
+
+    @_leaves_group_on_error
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], train_data: Any, *,
                  optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, lr: float | None = None,
@@ -86,7 +100,8 @@ class Trainer:
                  trace_every: int = 50, divergence_every: int | None = None, fp8_fallback: bool = False,
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
-                 meta: dict[str, Any] | None = None):
+                 fsdp: bool = False, fsdp_wrap: list[str] | None = None, reduce_dtype: str | torch.dtype = "float32",
+                 compile: bool = False, preflight: bool = True, meta: dict[str, Any] | None = None):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
@@ -105,6 +120,7 @@ class Trainer:
             raise UsageError("divergence checks need FP32 weights: opt level O1",
                              hint='use opt_level="O1" with divergence_every, or drop divergence_every')
         self.accum = accum
+        self._tracing = trace is not None
         self._loss_fn = loss_fn
         self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._checkpoint_every = checkpoint_every
@@ -112,23 +128,43 @@ class Trainer:
         self._meta = dict(meta or {})
 
         self.device = resolve_device(device)
-        self.dist = ddp.setup(self.device.type)
+        self.fsdp = bool(fsdp)
+        self.reduce_dtype = parse_train_dtype(reduce_dtype)
+        if self.fsdp and (divergence_every is not None or fp8_fallback):
+            # Rank 0 alone would run the FP32 shadow / swap a layer; a sharded forward needs every rank.
+            raise UsageError("divergence checks and fp8_fallback cannot run on an FSDP model",
+                             hint="drop divergence_every / fp8_fallback, or check them in a single-process run")
+        self.dist = ddp.setup(self.device.type, group=self.fsdp)
         if self.device.type == "cuda" and self.dist.enabled:
             self.device = torch.device("cuda", self.dist.local_rank)
         self._autocast = self.dtype != torch.float32
 
         model.to(self.device)
-        if self.opt_level == "O2":
+        self.preflight: list[Check] = []
+        self._preflight = preflight and (self.fsdp or self.dist.enabled)
+        units = fsdp_lib.block_units(model, fsdp_wrap) if self.fsdp else []
+        if self._preflight:
+            self._check(structure_checks(model, dtype=self.dtype, world_size=self.dist.world_size, fsdp=self.fsdp,
+                                         groups=fsdp_lib.unit_params(model, units), opt_level=self.opt_level))
+        if self.opt_level == "O2" and not self.fsdp:
             if self.dtype == torch.float32:
                 raise UsageError('opt level O2 needs dtype="float16" or dtype="bfloat16"',
                                  hint="use O1 for float32 training")
             cast_model_o2(model, self.dtype)
         else:
+            # Under FSDP, O2 is what the sharded fp32 parameters already are: masters, cast for compute.
             refuse_low_precision_weights(model)
-        self._forward_model = ddp.wrap(model, self.dist, self.device)
+        if self.fsdp:
+            self.units = fsdp_lib.shard(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype, classes=fsdp_wrap)
+            self._eager_model = model
+        else:
+            self.units = []
+            self._eager_model = ddp.wrap(model, self.dist, self.device)
+        self._compiled = bool(compile)
+        self._forward_model = torch.compile(self._eager_model) if compile else self._eager_model
         self.model = model
         # Masters are taken after the DDP wrap: its constructor broadcasts rank 0's weights into the model.
-        self.masters = MasterWeights(model) if self.opt_level == "O2" else None
+        self.masters = MasterWeights(model) if self.opt_level == "O2" and not self.fsdp else None
         if self.masters is not None:
             self._named = self.masters.named_parameters()
         else:
@@ -138,6 +174,10 @@ class Trainer:
             raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
         self.optimizer = self._build_optimizer(optimizer, params, lr)
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        if self._preflight:
+            self._check(resource_checks(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                                        world_size=self.dist.world_size, accum=accum, fsdp=self.fsdp, units=[m for _, m in units],
+                                        opt_level=self.opt_level, optimizer=self.optimizer, device=self.device))
         self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else scaler_for(
             loss_scale, self.dtype, self.device.type, max_consecutive_skips=max_consecutive_skips,
             **(scaler_options or {}))
@@ -159,10 +199,24 @@ class Trainer:
                              hint="pass trace=..., or drop fp8_fallback under torchrun")
         # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
         # no trace the session watches nothing (memory=False: no in-memory events either).
+        # Replays rerun one pass on rank 0 alone: a sharded forward would wait for the other ranks, and under
+        # compile the watch has not seen the compiled passes it would replay.
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
-                                    divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback)
+                                    divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback,
+                                    replays=not (self.fsdp or compile), stats_every=1 if compile else None)
 
     # -- construction helpers ----------------------------------------------------------------------------------
+    def _check(self, checks: list[Check]) -> None:
+        """Keep the preflight lines; every rank stops when any rank's check failed (memory differs per host)."""
+        self.preflight += checks
+        mine = failed(checks)
+        _, anywhere = ddp.mean_and_any([], bool(mine), self.dist)
+        if anywhere:
+            first = mine[0] if mine else Check("preflight", "fail", "a check failed on another rank")
+            raise TrainError(f"preflight: {first.name}: {first.message}",
+                             hint=f"{first.hint + '; ' if first.hint else ''}ampaudit train --preflight-only "
+                                  "lists every check")
+
     def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
                          ) -> torch.optim.Optimizer:
         if optimizer is None:
@@ -182,57 +236,6 @@ class Trainer:
                 group["lr"] = lr
         return opt
 
-    # -- state -------------------------------------------------------------------------------------------------
-    def _config(self) -> dict[str, Any]:
-        return {"dtype": name_of(self.dtype), "opt_level": self.opt_level,
-                "accum": self.accum, "world_size": self.dist.world_size}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a bit-identical resume needs. Collective under DDP: every rank must call it."""
-        return {"step": self.step, "data": self._stream.position(), "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "masters": self.masters.state_dict() if self.masters is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "rng": ddp.gather(capture_rng(), self.dist), "config": self._config()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (or checkpoint); the run must have the same dtype, opt level, accum, W."""
-        mine, saved = self._config(), state.get("config", {})
-        diff = [f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v]
-        if diff:
-            raise TrainError(f"checkpoint does not match this run: {', '.join(diff)}",
-                             hint="resume with the settings it was written with, or drop resume=True")
-        try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise TrainError(f"checkpoint does not fit this model/optimizer: {' '.join(str(exc).split())[:200]}",
-                             hint="resume with the same model file and optimizer") from exc
-        self.scaler.load_state_dict(state["scaler"])
-        if self.masters is not None:
-            self.masters.load_state_dict(state["masters"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self._stream.seek(state["data"])
-        rng = state["rng"]
-        restore_rng(rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0])
-
-    def save_checkpoint(self, name: str = LAST, directory: Path | None = None) -> Path | None:
-        """Write the state atomically to ``directory/name`` (rank 0); return the path (None on other ranks)."""
-        directory = directory or self._checkpoint_dir
-        if directory is None:
-            raise UsageError("no checkpoint directory", hint="pass checkpoint_dir=DIR")
-        state = self.state_dict()
-        path = None
-        if name == LAST:
-            self._saved_step = self.step
-        if self.dist.is_main:
-            path = save_checkpoint(state, directory / name)
-            self.session.write("checkpoint", step=self.step, path=str(path))
-        ddp.barrier(self.dist)
-        return path
-
     def close(self, *, sync: bool = True) -> None:
         """End the run's distributed state: wait for every rank (``sync``: skip it when this rank failed
         alone, since the others may never come), drop the DDP wrapper (its reducer must not outlive the process
@@ -241,8 +244,8 @@ class Trainer:
         if sync and self.dist.enabled and self._forward_model is not self.model:
             # No rank may tear the process group down while another still uses it (gloo aborts the process).
             ddp.barrier(self.dist)
-        self._forward_model = self.model
-        if self.dist.enabled:
+        self._forward_model = self._eager_model = self.model
+        if self.dist.enabled or self.dist.joined:       # a group of one (FSDP in one process) is left too
             gc.collect()        # the DDP reducer goes now, while the process group it talks to still exists
             ddp.teardown(self.dist)
 
@@ -268,12 +271,12 @@ class Trainer:
         if resume:
             if self._checkpoint_dir is None:
                 raise UsageError("resume needs a checkpoint directory", hint="pass checkpoint_dir=DIR with resume=True")
-            if (self._checkpoint_dir / LAST).is_file():
-                self.load_state_dict(load_checkpoint(self._checkpoint_dir / LAST))
-                resumed = True
+            resumed = self.load_checkpoint()
         # a resumed or continued run extends its trace
         self.session.start(self.model, dtype=self.dtype, source="train", step=self.step,
                            append=resumed or self.step > 0, meta=self._trace_meta())
+        if self.preflight and not resumed:
+            self.session.write("preflight", step=self.step, checks=[c.to_dict() for c in self.preflight])
         losses: list[float] = []
         stopped = "steps" if steps is not None else "epochs"
         checkpoint: Path | None = None
@@ -305,10 +308,15 @@ class Trainer:
         """One optimizer step; None when the data ran out (the partial window is dropped)."""
         step = self.step + 1
         self.session.begin_step(step)     # the step's clock starts here
+        # Under compile, the steps the watch samples run eagerly with its hooks; the others compiled, without.
+        eager = not self._compiled or self.session.due(step)
+        self.session.set_hooks(eager)
+        model = self._eager_model if eager else self._forward_model
         total: torch.Tensor | None = None
         for k, batch in enumerate(self._stream.window()):
-            with ddp.no_sync(self._forward_model, k < self.accum - 1):
-                loss = self._micro_step(batch)
+            boundary = k == self.accum - 1
+            with ddp.no_sync(self._eager_model, not boundary), fsdp_lib.gradient_sync(self.model, boundary):
+                loss = self._micro_step(model, batch)
             total = loss if total is None else total + loss
         if not self._stream.complete or total is None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -326,11 +334,11 @@ class Trainer:
                                 lr=lr)
         return loss_value
 
-    def _micro_step(self, batch: Any) -> torch.Tensor:
+    def _micro_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         args, kwargs, target = split_batch(batch, self.device)
         try:
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self._autocast):
-                output = self._forward_model(*args, **kwargs)
+                output = model(*args, **kwargs)
                 loss = self._loss_fn(output, target)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise TrainError(f"forward or loss_fn failed at step {self.step + 1}: {type(exc).__name__}: "
@@ -349,8 +357,9 @@ class Trainer:
         if self.masters is not None:
             self.masters.grads_to_masters()
         self.scaler.unscale_(self.optimizer)
+        # A sharded norm is a collective: every rank takes it when any does.
         norm, clipped = clip_gradients(self._clip_groups, mode=self._clip_mode, max_value=self._clip_max,
-                                       want_norm=self.session.active)
+                                       want_norm=self.session.active or (self.fsdp and self._tracing))
         stepped = self.scaler.step(self.optimizer)
         if stepped:
             if self.masters is not None:
@@ -366,7 +375,9 @@ class Trainer:
         return stepped, norm, clipped
 
     def _record_skip(self, step: int, scale: float | None) -> None:
-        found = self.session.skip(scale, self._named, model_grads=self.masters is None)
+        # Each rank holds only its shards' gradients: the attribution is joined across ranks.
+        known = fsdp_lib.nonfinite_grads(self._named) if self.fsdp else None
+        found = self.session.skip(scale, self._named, model_grads=self.masters is None, found=known)
         self._skips.record(step, scale, found["params"], found["modules"])
 
     def _halt(self, reason: str, loss: float) -> None:
@@ -385,7 +396,8 @@ class Trainer:
     def _trace_meta(self) -> dict[str, Any]:
         return {"dtype": name_of(self.dtype), "device": str(self.device),
                 "model": type(self.model).__name__, "opt_level": self.opt_level, "accum": self.accum,
-                "world_size": self.dist.world_size, "scaler": self.scaler.config(),
+                "world_size": self.dist.world_size, "scaler": self.scaler.config(), "fsdp": self.fsdp,
+                "compile": self._compiled,
                 "clip": {"mode": self._clip_mode, "max": self._clip_max}, **self._meta}
 
 

@@ -1,0 +1,162 @@
+"""FSDP2 for the trainer: which blocks to shard, the mixed-precision policy, gradient sync, full state dicts.
+
+``fully_shard`` (torch.distributed.fsdp, what torchtitan uses) shards each parameter across the ranks. The trainer
+shards the model's parameters *in fp32*: the shards are the FP32 master weights, and ``MixedPrecisionPolicy``
+all-gathers them cast to the training dtype for compute and reduce-scatters the gradients in ``reduce_dtype``
+(float32 by default). FSDP2 never upcasts: a model cast to bf16 before sharding has no fp32 masters at all, which
+is why :func:`~ampaudit.train.preflight.run_preflight` refuses it.
+
+    units = shard(model, dtype=torch.bfloat16, reduce_dtype=torch.float32)    # blocks, then the root
+    with gradient_sync(model, boundary):            # no reduce-scatter on non-boundary micro-batches
+        loss.backward()
+    state = full_state_dict(model)                  # collective; rank 0 gets plain tensors
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ampaudit.errors import UsageError
+from ampaudit.runtime.grads import from_flags
+
+# Containers whose repeated children are a model's blocks (a transformer's layers, a ResNet stage's blocks).
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def block_units(model: nn.Module, classes: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The submodules to shard one by one, as ``(qualified name, module)``, outermost first.
+
+    ``classes``: class names to shard (each must occur in the model). Default: the repeated children of the
+    outermost ModuleList/Sequential containers that hold at least two children of one class with parameters,
+    as torchtitan shards each transformer block. Nested matches inside a chosen unit are not units themselves.
+    """
+    if classes:
+        present = Counter(type(m).__name__ for m in model.modules())
+        missing = [c for c in classes if c not in present]
+        if missing:
+            common = ", ".join(f"{n} ({k})" for n, k in present.most_common(8) if n != type(model).__name__)
+            raise UsageError(f"--fsdp-wrap names {', '.join(missing)}, which the model does not contain",
+                             hint=f"name module classes of this model, e.g. {common}")
+        wanted = set(classes)
+        chosen = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+    else:
+        chosen = []
+        for name, container in model.named_modules():
+            if not isinstance(container, _CONTAINERS):
+                continue
+            counts = Counter(type(c) for c in container.children() if any(True for _ in c.parameters()))
+            repeated = {cls for cls, k in counts.items() if k >= 2}
+            chosen += [(f"{name}.{child_name}" if name else child_name, child)
+                       for child_name, child in container.named_children() if type(child) in repeated]
+    units: list[tuple[str, nn.Module]] = []
+    for name, module in chosen:
+        if not any(name.startswith(outer + ".") for outer, _ in units):
+            units.append((name, module))
+    return units
+
+
+def unit_params(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """The parameters each FSDP group manages: a unit's own (not a nested unit's); the root (``""``) the rest."""
+    owner: dict[str, str] = {}
+    for unit, module in [("", model), *units]:
+        prefix = f"{unit}." if unit else ""
+        for pname, _ in module.named_parameters():
+            owner[prefix + pname] = unit        # inner units come later and take their parameters over
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault(owner[name], []).append((name, p))
+    return groups
+
+
+def policy(dtype: torch.dtype, reduce_dtype: torch.dtype):
+    """The ``MixedPrecisionPolicy``: compute in ``dtype`` (fp32: no cast), gradients reduced in ``reduce_dtype``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def shard(model: nn.Module, *, dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
+          classes: Sequence[str] | None = None) -> list[str]:
+    """``fully_shard`` each block unit, then the root, in place; return the units' names (the root last, as "")."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise UsageError("FSDP needs a process group", hint="launch with torchrun, or let the Trainer join one")
+    mp = policy(dtype, reduce_dtype)
+    units = block_units(model, classes)
+    for _, module in units:
+        fully_shard(module, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return [name for name, _ in units] + [""]
+
+
+def gradient_sync(model: nn.Module, boundary: bool) -> contextlib.AbstractContextManager:
+    """Reduce-scatter gradients only on the boundary micro-batch; between them FSDP keeps unsharded gradients."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(boundary)
+    return contextlib.nullcontext()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective: every rank must call it), ``t`` itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, ``t`` itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def nonfinite_grads(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """``{"params", "modules"}`` whose gradient holds inf/NaN on any rank: each rank flags its shards, one
+    all-reduce (MAX) joins them. Collective: every rank must call it with the same parameters."""
+    names = [n for n, p in named if p.grad is not None]
+    if not names:
+        return {"params": [], "modules": []}
+    with torch.no_grad():
+        flags = torch.stack([(~torch.isfinite(local(p.grad))).any() for _, p in named if p.grad is not None])
+    flags = flags.to(torch.int32)
+    if dist.is_initialized():
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return from_flags(names, flags.bool().cpu())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole state_dict on CPU, gathered to rank 0 (other ranks get ``{}``). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_sharded(model):
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """Parameters gathered whole for the block (FSDP's ``unshard``/``reshard``); a no-op for other models."""
+    if not is_sharded(model):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
