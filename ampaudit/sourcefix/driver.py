@@ -113,6 +113,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
 
     seen: set = set()
     static_modules: set[str] = set()
+    fp32_modules: dict[str, Edit] = {}
     blocks: list[tuple[FixContext, object]] = []
     ordered = sorted(findings, key=lambda f: kinds[id(f)]["kind"] == MODULE_KIND)
     for f in ordered:
@@ -137,29 +138,47 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
         if kind == MODULE_KIND and f.module in static_modules:
             plan.deferred.append(f)
             continue
+        if kind == MODULE_KIND and f.module in fp32_modules:   # its module already runs in fp32
+            if f.rule not in fp32_modules[f.module].covers and f.rule != fp32_modules[f.module].rule:
+                fp32_modules[f.module].covers.append(f.rule)
+            continue
         ctx = FixContext(finding=f, params=params, file=file, policy=aud.policy, source_for=source_for,
                          node=nodes.get(f.node) if f.node else None, nodes=nodes, model=model, inputs=inputs,
                          allowed=lambda p: canon(str(Path(p).resolve())) in allowed)
         out = fixers[kind].fn(ctx)
         if isinstance(out, Refusal):
+            out.file = canon(str(Path(out.file).resolve())) if out.file else None
             plan.refusals.append(out)
             continue
         for edit in out:
+            if edit.kind == MODULE_KIND:
+                fp32_modules.update({p: edit for p in (_instances(model, f.module) if edit.scope == "class"
+                                                       else {f.module})})
             if edit.phase == "block":
                 blocks.append((ctx, edit))
+                if edit.kind != MODULE_KIND:
+                    static_modules.update(_same_code(model, f.module))
             elif _apply(plan, current, edit, unsafe, canon):
                 static_modules.update(_same_code(model, f.module))
     # Block edits change line numbers below them: recompute each on the current parse, last line first.
     for ctx, first in sorted(blocks, key=lambda b: (b[1].file, -b[1].line)):
         out = fixers[ctx.params["kind"]].fn(ctx)
         if isinstance(out, Refusal):
+            out.file = canon(str(Path(out.file).resolve())) if out.file else None
             plan.refusals.append(out)
             continue
         for edit in out:
+            edit.covers = first.covers
             if _apply(plan, current, edit, unsafe, canon) and edit.kind != MODULE_KIND:
                 static_modules.update(_same_code(model, ctx.finding.module))
     plan.texts = {p: s.text for p, s in current.items()}
     return plan
+
+
+def _instances(model: nn.Module, path: str) -> set[str]:
+    """``path`` and every other module of its class: a class's forward is one piece of code."""
+    mod = _module(model, path)
+    return {p for p, m in model.named_modules() if mod is not None and type(m) is type(mod)} | {path}
 
 
 def _same_code(model: nn.Module, path: str) -> set[str]:

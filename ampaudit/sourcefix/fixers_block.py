@@ -173,8 +173,10 @@ def _wrap_forward(ctx: FixContext, cls: type, file: str):
     mods = [p for p, m_ in ctx.model.named_modules() if type(m_) is cls]
     where = f"{cls.__name__}.forward" + (f" (also {', '.join(p or '<top>' for p in mods if p != ctx.finding.module)})"
                                         if len(mods) > 1 else "")
-    return [ctx.edit({func: new_func}, f"{where} runs in fp32: autocast off, {', '.join(names)} upcast",
-                     line=src.line_of(func), phase="block", file=file)]
+    edit = ctx.edit({func: new_func}, f"{where} runs in fp32: autocast off, {', '.join(names)} upcast",
+                    line=src.line_of(func), phase="block", file=file)
+    edit.scope = "class"
+    return [edit]
 
 
 def _why(ctx: FixContext) -> str:

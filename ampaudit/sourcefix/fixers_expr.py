@@ -215,7 +215,7 @@ def fp32_positions(ctx: FixContext):
     if spots and _needs_autocast_off(ctx, ctx.finding.op):
         from ampaudit.sourcefix.fixers_block import wrap_statement
 
-        low = low_operands(ctx, spots[0], floating=True)
+        low = low_operands(ctx, spots[0])
         return wrap_statement(ctx, spots[0].expr, _upcast_operands(spots[0], low),
                               f"{ctx.finding.op} of the integers in fp32")
     return ctx.refuse(f"line {ctx.line} casts no integers to a low dtype that a source edit can change",

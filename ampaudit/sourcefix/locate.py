@@ -42,8 +42,8 @@ def op_names(node: fx.Node | None, fallback: str) -> tuple[str, str]:
         return ("operator" if fallback in BINARY_OPS else "any"), fallback
     if node.op == "call_module":
         return "module", str(node.target).split(".")[-1]
-    if node.op == "call_method":
-        return "method", str(node.target)
+    if node.op == "call_method":   # fx records ``a @ b`` on proxies as the method matmul
+        return ("any" if str(node.target) in BINARY_OPS else "method"), str(node.target)
     target = node.target
     if getattr(operator, getattr(target, "__name__", ""), None) is target:
         return "operator", target.__name__

@@ -37,6 +37,7 @@ class Edit:
     module: str = ""
     phase: str = "expr"
     covers: list[str] = field(default_factory=list)           # more rule ids this edit addresses
+    scope: str = "line"                                       # "class": a class's forward, for all its instances
 
     def as_dict(self) -> dict:
         return {"rule": self.rule, "kind": self.kind, "file": self.file, "line": self.line, "safety": self.safety,

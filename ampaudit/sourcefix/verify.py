@@ -38,6 +38,7 @@ class Mirror:
         paths = list(texts) + ([self.target] if self.target else [])
         self.root = Path(os.path.commonpath([str(Path(p).parent) for p in paths])) if paths else Path.cwd()
         self.dir: Path | None = None
+        self.hidden: dict = {}
 
     def __enter__(self) -> "Mirror":
         self.dir = Path(tempfile.mkdtemp(prefix="ampaudit-fix-"))
@@ -60,6 +61,12 @@ class Mirror:
                 self._populate(entry, dst / entry.name, edited)
 
     def __exit__(self, *exc) -> None:
+        # The copy's modules stay imported while the mirror lives (inspect finds its classes' source through
+        # them); then they go, and the user's own modules come back.
+        for n in list(sys.modules):
+            if (_file_of(sys.modules[n]) or "").startswith(str(self.dir)):
+                del sys.modules[n]
+        sys.modules.update(self.hidden)
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -164,7 +171,7 @@ def load_mirror(mirror: Mirror, target: str, entry: str | None, inputs: list[str
     hidden = {n: m for n, m in list(sys.modules.items()) if _file_of(m) in edited}
     for n in hidden:
         del sys.modules[n]
-    before = set(sys.modules)
+    mirror.hidden.update(hidden)
     sys.path.insert(0, str(mirror.dir))
     try:
         return load_target(where, entry=entry, inputs=inputs), None
@@ -172,10 +179,6 @@ def load_mirror(mirror: Mirror, target: str, entry: str | None, inputs: list[str
         return None, exc.one_line()
     finally:
         sys.path.remove(str(mirror.dir))
-        for n in set(sys.modules) - before:
-            if (_file_of(sys.modules[n]) or "").startswith(str(mirror.dir)):
-                del sys.modules[n]
-        sys.modules.update(hidden)
 
 
 def _file_of(module) -> str | None:
