@@ -23,9 +23,11 @@ FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "
 SEVERITIES = ("info", "warning", "error")
 REQUIRED = {"id": str, "name": str, "family": str, "severity": str, "matcher": str, "message": str, "why": str}
 OPTIONAL = {"fix": str, "references": list, "upcast_severity": str, "ops": list, "check": str, "reduction": bool,
-            "variants": dict, "min_share": float, "autofix": dict}
+            "variants": dict, "min_share": float, "autofix": dict, "source_fix": dict}
 # How ``ampaudit fix`` treats a rule's findings: ``kind`` names a registered fixer (ampaudit/rewrite/fixers.py) or
 # "none"; ``safety`` is ruff's: safe fixes leave FP32 results unchanged, unsafe ones may change them.
+# ``source_fix`` says the same for ``ampaudit fix --diff/--write``, which edits the user's own files: ``kind``
+# names a registered source fixer (ampaudit/sourcefix/) or "none", and the rest are that fixer's parameters.
 SAFETIES = ("safe", "unsafe")
 # What a variant (``[rule.variants.NAME]``) may override; severity "off" drops the hit.
 VARIANT_KEYS = {"severity": str, "message": str, "why": str, "fix": str}
@@ -98,6 +100,13 @@ def _validate(raw: dict, where: str, matchers: dict) -> Rule:
     if autofix["kind"] != "none" and autofix.get("safety") not in SAFETIES:
         raise RuleError(f"{where}: rule {rid}: key 'autofix' needs safety = \"safe\" or \"unsafe\"",
                         hint="safe: the fix leaves FP32 results unchanged; unsafe: it may change them")
+    source_fix = raw.get("source_fix", {"kind": "none"})
+    if not isinstance(source_fix.get("kind"), str):
+        raise RuleError(f"{where}: rule {rid}: key 'source_fix' needs a kind", hint='e.g. source_fix = {kind = '
+                        '"upcast_op", safety = "safe"}, or {kind = "none"}')
+    if source_fix["kind"] != "none" and source_fix.get("safety") not in SAFETIES:
+        raise RuleError(f"{where}: rule {rid}: key 'source_fix' needs safety = \"safe\" or \"unsafe\"",
+                        hint="safe: the edit leaves FP32 results unchanged; unsafe: it may change them")
     for name, variant in raw.get("variants", {}).items():
         at = f"{where}: rule {rid}: variant {name!r}"
         if not isinstance(variant, dict):

@@ -1,0 +1,276 @@
+"""Plan the source edits for an audit's findings: pick each finding's fixer by its rule's ``source_fix`` kind,
+run it on the current parse of the file, apply expression edits at once and block edits last (bottom of the
+file first, so lines above stay put), and keep what could not be fixed with the reason.
+
+    plan = plan_edits(aud, model, rules, args=args, kwargs=kwargs, unsafe=False)
+    plan.texts            # {path: new source}; unchanged files are absent
+    plan.edits, plan.refusals, plan.skipped_unsafe, plan.deferred
+
+Nothing is written here: ``ampaudit.sourcefix.api`` verifies a plan and writes it.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ampaudit.errors import RuleError
+from ampaudit.findings import SEVERITY_RANK, Finding
+from ampaudit.sourcefix.cst_tools import Source
+from ampaudit.sourcefix.registry import Edit, FixContext, Refusal, load_builtin_fixers
+
+# The measured rules' fixer: the module runs in fp32. It waits when a static fix in the same module may already
+# remove the fault (verification then measures again and runs it only if the fault is still there).
+MODULE_KIND = "fp32_module"
+
+
+@dataclass
+class Plan:
+    texts: dict[str, str] = field(default_factory=dict)          # path -> edited source
+    originals: dict[str, str] = field(default_factory=dict)      # path -> source before
+    edits: list[Edit] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    skipped_unsafe: list[Edit] = field(default_factory=list)
+    deferred: list[Finding] = field(default_factory=list)        # measured findings left to verification
+
+    @property
+    def changed(self) -> dict[str, str]:
+        return {p: t for p, t in self.texts.items() if t != self.originals.get(p)}
+
+
+def is_library_file(path: str | Path) -> bool:
+    """Installed code (site-packages, torch itself, the standard library): never edited."""
+    p = Path(path).resolve()
+    if any(part in ("site-packages", "dist-packages") for part in p.parts):
+        return True
+    roots = [Path(torch.__file__).resolve().parent, Path(sys.base_prefix).resolve() / "lib"]
+    return any(p.is_relative_to(r) for r in roots)
+
+
+def wanted(f: Finding, params: dict) -> bool:
+    """The findings fix acts on: warnings and errors, and the info findings a rule's source_fix opts in."""
+    if f.location is None:
+        return False
+    return SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] or bool(params.get("info"))
+
+
+def source_fix_of(rule) -> dict:
+    return rule.params.get("source_fix", {"kind": "none"}) if rule is not None else {"kind": "none"}
+
+
+def check_kinds(rules) -> None:
+    fixers = load_builtin_fixers()
+    unknown = {r.id: source_fix_of(r)["kind"] for r in rules if source_fix_of(r)["kind"] not in fixers
+               and source_fix_of(r)["kind"] != "none"}
+    if unknown:
+        raise RuleError(f"rule(s) {', '.join(sorted(unknown))} ask for source fix kind(s) "
+                        f"{', '.join(sorted(set(unknown.values())))}, which no source fixer has",
+                        hint=f"use one of {', '.join(sorted(fixers))} or none in the rule's source_fix")
+
+
+def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict | None = None,
+               texts: dict[str, str] | None = None, unsafe: bool = False,
+               canon: Callable[[str], str] = lambda p: p, inputs: dict | None = None,
+               only: Callable[[Finding], bool] | None = None) -> Plan:
+    """Edits for the findings of ``aud`` (an ampaudit.api.Audit of ``model``).
+
+    ``texts`` starts files from given sources (a second round starts from the first's); ``canon`` maps a path
+    the audit reports (a verification copy) to the user's file; ``only`` limits the findings considered.
+    """
+    fixers = load_builtin_fixers()
+    check_kinds(rules)
+    by_id = {r.id: r for r in rules}
+    plan = Plan()
+    current: dict[str, Source] = {}
+    start = dict(texts or {})
+
+    def source_for(path: str) -> Source:
+        path = canon(str(Path(path).resolve()))
+        if path not in current:
+            text = start.get(path)
+            if text is None:
+                text = Path(path).read_text(encoding="utf-8")
+            plan.originals.setdefault(path, text)
+            current[path] = Source.parse(text)
+        return current[path]
+
+    findings = [f for f in aud.report.findings if wanted(f, source_fix_of(by_id.get(f.rule)))
+                and (only is None or only(f))]
+    files = {canon(str(Path(f.location["file"]).resolve())) for f in findings}
+    allowed = {p for p in files if not is_library_file(p)}
+    nodes = {n.name: n for n in aud.capture.gm.graph.nodes}
+    kinds = {id(f): source_fix_of(by_id.get(f.rule)) for f in findings}
+    probe_paths = {f.module for f in findings if fixers.get(kinds[id(f)]["kind"]) is not None
+                   and fixers[kinds[id(f)]["kind"]].needs_inputs}
+    if inputs is None:
+        inputs = {}
+    if probe_paths - set(inputs):
+        inputs.update(probe_inputs(model, probe_paths - set(inputs), args, kwargs or {}))
+
+    seen: set = set()
+    static_modules: set[str] = set()
+    fp32_modules: dict[str, Edit] = {}
+    blocks: list[tuple[FixContext, object]] = []
+    ordered = sorted(findings, key=lambda f: kinds[id(f)]["kind"] == MODULE_KIND)
+    for f in ordered:
+        params = kinds[id(f)]
+        kind = params["kind"]
+        file = canon(str(Path(f.location["file"]).resolve()))
+        if kind == "none":
+            plan.refusals.append(Refusal(f.rule, file, f.location["line"], f.module, "the rule has no source fix",
+                                         f.fix or "see ampaudit rules " + f.rule))
+            continue
+        if file not in allowed:
+            plan.refusals.append(Refusal(f.rule, file, f.location["line"], f.module,
+                                         "the line is in an installed package, which fix never edits",
+                                         _library_instead(f, kind)))
+            continue
+        # One edit per line for the instances of one class (blocks.0.attn, blocks.1.attn); layers are their own.
+        key = (f.rule, file, f.location["line"], f.op, str(f.details.get("dim")),
+               f.module if kind in ("pad_to_multiple", MODULE_KIND) else "")
+        if key in seen:
+            continue
+        seen.add(key)
+        if kind == MODULE_KIND and f.module in static_modules:
+            plan.deferred.append(f)
+            continue
+        if kind == MODULE_KIND and f.module in fp32_modules:   # its module already runs in fp32
+            if f.rule not in fp32_modules[f.module].covers and f.rule != fp32_modules[f.module].rule:
+                fp32_modules[f.module].covers.append(f.rule)
+            continue
+        ctx = FixContext(finding=f, params=params, file=file, policy=aud.policy, source_for=source_for,
+                         node=nodes.get(f.node) if f.node else None, nodes=nodes, model=model, inputs=inputs,
+                         allowed=lambda p: canon(str(Path(p).resolve())) in allowed)
+        out = fixers[kind].fn(ctx)
+        if isinstance(out, Refusal):
+            out.file = canon(str(Path(out.file).resolve())) if out.file else None
+            plan.refusals.append(out)
+            continue
+        for edit in out:
+            if edit.kind == MODULE_KIND:
+                fp32_modules.update({p: edit for p in (_instances(model, f.module) if edit.scope == "class"
+                                                       else {f.module})})
+            if edit.phase == "block":
+                blocks.append((ctx, edit))
+                if edit.kind != MODULE_KIND:
+                    static_modules.update(_same_code(model, f.module))
+            elif _apply(plan, current, edit, unsafe, canon):
+                static_modules.update(_same_code(model, f.module))
+    # Block edits change line numbers below them: recompute each on the current parse, last line first.
+    for ctx, first in sorted(blocks, key=lambda b: (b[1].file, -b[1].line)):
+        out = fixers[ctx.params["kind"]].fn(ctx)
+        if isinstance(out, Refusal):
+            out.file = canon(str(Path(out.file).resolve())) if out.file else None
+            plan.refusals.append(out)
+            continue
+        for edit in out:
+            edit.covers = first.covers
+            if _apply(plan, current, edit, unsafe, canon) and edit.kind != MODULE_KIND:
+                static_modules.update(_same_code(model, ctx.finding.module))
+    plan.texts = {p: s.text for p, s in current.items()}
+    return plan
+
+
+def _instances(model: nn.Module, path: str) -> set[str]:
+    """``path`` and every other module of its class: a class's forward is one piece of code."""
+    mod = _module(model, path)
+    return {p for p, m in model.named_modules() if mod is not None and type(m) is type(mod)} | {path}
+
+
+def _same_code(model: nn.Module, path: str) -> set[str]:
+    """The modules a source edit in ``path``'s code reaches: every instance of its class, and their ancestors
+    (a measured fault of a parent may be the child's)."""
+    mod = _module(model, path)
+    paths = {p for p, m in model.named_modules() if mod is not None and type(m) is type(mod)} | {path}
+    out = set(paths)
+    for p in paths:
+        parts = p.split(".") if p else []
+        out.update(".".join(parts[:i]) for i in range(len(parts)))
+    return out
+
+
+def _module(model: nn.Module, path: str):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, canon=lambda p: p) -> bool:
+    edit.file = canon(str(Path(edit.file).resolve()))
+    if edit.safety == "unsafe" and not unsafe:
+        plan.skipped_unsafe.append(edit)
+        return False
+    src = current[edit.file]
+    if _touches_ignored(src, edit):
+        plan.refusals.append(Refusal(edit.rule, edit.file, edit.line, edit.module,
+                                     "the line says # ampaudit: ignore", "nothing: the line asks to be left alone"))
+        return False
+    current[edit.file] = Source.parse(src.replace(edit.mapping))
+    plan.edits.append(edit)
+    return True
+
+
+def _touches_ignored(src: Source, edit: Edit) -> bool:
+    from ampaudit.rules.engine import _IGNORE_RE
+
+    lines = src.text.splitlines()
+    for node in edit.mapping:
+        a, b = src.span(node)
+        if edit.phase == "block":   # a block edit keeps the statements it wraps; its own first line is what it adds
+            b = a
+        if any(_IGNORE_RE.search(lines[i - 1]) and "ignore" in lines[i - 1] for i in range(a, b + 1)
+               if 0 < i <= len(lines)):
+            return True
+    return False
+
+
+def _library_instead(f: Finding, kind: str) -> str:
+    if kind == "pad_to_multiple":
+        return "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad"
+    return (f"ampaudit.keep_fp32(model, ['{f.module or '<module>'}']) in your code, or the graph rewrite "
+            "(ampaudit fix -o DIR)")
+
+
+def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -> dict:
+    """Which forward arguments of the modules at ``paths`` are floating tensors, from one FP32 run of the
+    example inputs the audit used (buffers and RNG restored)."""
+    import inspect
+
+    from ampaudit.rewrite.verify import preserved
+    from ampaudit.sourcefix.fixers_block import ModuleInputs
+
+    found: dict[str, ModuleInputs] = {}
+    handles = []
+    for path in paths:
+        mod = _module(model, path)
+        if mod is None:
+            continue
+
+        def hook(m, args, kwargs, path=path):
+            if path in found:
+                return
+            info = ModuleInputs()
+            info.positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            try:
+                bound = inspect.signature(m.forward).bind(*args, **kwargs)
+                info.names = [n for n, v in bound.arguments.items()
+                              if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            except (TypeError, ValueError):
+                pass
+            found[path] = info
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with preserved(model), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception:  # the probe is best effort: a fixer without it refuses and says why
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return found
