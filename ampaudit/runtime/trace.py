@@ -13,7 +13,10 @@ headroom_bits), ``nonfinite`` (phase forward|backward, module, op, source), ``di
 FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite grads), ``checkpoint``, ``halt``,
 and for torchao Float8Linear layers (``ampaudit.runtime.fp8_stats``) ``fp8`` (module; input, weight, grad_output:
 amax, scale, flushed_share, clipped_share) and ``fp8_budget`` (module, role, flushed_share, max_flushed_share,
-fallback). New kinds are additive: a reader skips kinds it does not know.
+fallback). Version 2 adds ``grad_hist`` (module, phase backward, lo, counts, zeros, nonfinite, numel, passes,
+scale: ``counts[i]`` gradient values with ``floor(log2|g|) == lo + i`` as measured, at loss scale ``scale``, None
+when unknown; see :mod:`ampaudit.runtime.grad_hist`); a version 1 trace reads the same, without histograms. New
+kinds are additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import IO, Any
 
 from ampaudit.errors import TraceError
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 
 
 def jsonable(value: Any) -> Any:
