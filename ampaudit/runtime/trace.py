@@ -29,6 +29,8 @@ from typing import IO, Any
 from ampaudit.errors import TraceError
 
 TRACE_VERSION = 2
+# Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
+BULK_EVENTS = frozenset({"stats", "grad_hist"})
 
 
 def jsonable(value: Any) -> Any:
@@ -81,8 +83,8 @@ class EventLog:
     """The events of one watched run: kept in ``events`` and written to a trace, if there is one.
 
     ``trace``: a JSON Lines path (opened and closed here), an open :class:`TraceWriter` (shared with a trainer
-    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` events
-    (the bulk of a run) go to the file only.
+    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` and
+    ``grad_hist`` events (:data:`BULK_EVENTS`, the bulk of a run) go to the file only.
 
         log = EventLog("run.jsonl")
         log.emit("nonfinite", step=3, module="attn", ...)
@@ -103,7 +105,7 @@ class EventLog:
 
     def emit(self, event: str, step: int | None, **fields: Any) -> None:
         record = {"event": event, "step": step, **fields}
-        if self.writer is None or event != "stats":
+        if self.writer is None or event not in BULK_EVENTS:
             self.events.append(record)
         if self.writer is not None:
             self.writer.write(event, step=step, **fields)
