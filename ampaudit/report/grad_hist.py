@@ -12,7 +12,8 @@ are the gradients without scaling. An event without a scale takes the ``step`` e
 (``scale_source`` says which). The run's totals sum the leaf modules only: a container's output gradient is
 mostly its last child's again.
 
-Against the dtype (the trace's ``meta`` dtype, from ``torch.finfo``): a value below half the smallest subnormal
+Against the dtype (the trace's ``meta`` dtype, from ``torch.finfo``; a gradient that stays fp32 under autocast is
+judged as if it were in that dtype, as the ``stats`` counts are): a value below half the smallest subnormal
 (2^-25 in fp16) rounds to zero ("flushed"), one below the smallest normal (2^-14) keeps fewer mantissa bits
 ("subnormal"), one from 2^(floor(log2 max) + 1) on overflows. The initial scale 2^k is the smallest that lifts
 all but ``low_share`` of the nonzero gradients to the smallest normal, capped so the largest gradient stays
