@@ -1,4 +1,5 @@
-"""One self-contained HTML page for a trace: the summary, the recommendations and five plotly plots.
+"""One self-contained HTML page for a trace: the summary, the recommendations and the plotly plots of
+:data:`ampaudit.report.html_plots.FIGURES`.
 
     from ampaudit.report.html import write_html
     events, problems = read_trace("run.jsonl")
@@ -60,6 +61,9 @@ def _facts(s: dict) -> str:
                                    f"final 2^{fmt(scale['final_log2'], 'g')}; {scale['backoffs']} backoffs"))
     rows.append(("loss", f"{fmt(loss['first'])} &rarr; {fmt(loss['last'])} (min {fmt(loss['min'])})"))
     rows.append(("grad norm", f"median {fmt(gn['median'])}, max {fmt(gn['max'])}; {st['clipped']} clipped"))
+    if s.get("grad_hist"):
+        from ampaudit.report.grad_hist import describe
+        rows.append(("grad range", _e(describe(s["grad_hist"]))))
     first = s["first_nonfinite"]
     if first:
         where = f" at <code>{_e(first['source'])}</code>" if first.get("source") else ""

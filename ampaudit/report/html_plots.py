@@ -13,6 +13,7 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
+from ampaudit.report.grad_hist_plot import grad_hist_figure
 from ampaudit.report.trace_advice import THRESHOLDS
 from ampaudit.report.trace_summary import TraceData, divergence_table, headroom_table
 
@@ -203,6 +204,8 @@ FIGURES: list[tuple[str, str, Callable[[TraceData], go.Figure | None], str]] = [
     ("plot-scale", "Loss scale (log2) and skipped steps", scale_figure,
      "No loss scale in this run (bfloat16, or no scaler)."),
     ("plot-grad", "Gradient norm and clipping", grad_figure, "No gradient norms recorded."),
+    ("plot-gradhist", "Gradient magnitudes against the dtype's range", grad_hist_figure,
+     "No grad_hist events: the run was traced without tensor statistics (or before trace version 2)."),
     ("plot-divergence", "Divergence vs FP32 per module", divergence_figure,
      "No divergence events: the run was traced without an FP32 shadow comparison."),
     ("plot-headroom", "Headroom per module", headroom_figure,

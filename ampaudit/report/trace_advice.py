@@ -7,8 +7,9 @@ and which ``ampaudit check`` findings the run confirmed.
         print(rec["severity"], rec["message"], rec.get("code"))
 
 Each recommendation is a dict: ``kind`` (broken | keep_fp32 | nonfinite_unlocated | confirmed_findings |
-init_scale | bf16 | clipping), ``severity`` (error | warning | info), ``message``, and, where there is one,
-``code`` (a line to paste) and ``modules`` / ``findings``. Thresholds are the table :data:`THRESHOLDS`.
+init_scale | bf16 | clipping | grad_scale), ``severity`` (error | warning | info), ``message``, and, where there is
+one, ``code`` (a line to paste) and ``modules`` / ``findings``. Thresholds are the table :data:`THRESHOLDS`
+(``grad_scale``, from the gradient histograms: :mod:`ampaudit.report.grad_hist`).
 """
 from __future__ import annotations
 
@@ -206,9 +207,12 @@ def _confirmed(findings: list[dict], evidence: dict[str, list[str]]) -> dict | N
 def recommend(summary: dict, data: Any, *, all_divergence: list[dict], all_headroom: list[dict],
               findings: list[dict] | None = None) -> list[dict]:
     """Recommendations for a summary (see module doc), most severe first."""
+    from ampaudit.report.grad_hist import grad_hist_advice  # it reads the summary module, which imports this one
+
     evidence = _evidence(summary, data, all_divergence, all_headroom)
     recs = [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
             _confirmed(findings or [], evidence),
             _init_scale(summary, data), _bf16(summary, data, evidence), _clipping(summary)]
+    recs.append(grad_hist_advice(summary))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])

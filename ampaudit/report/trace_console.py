@@ -144,6 +144,9 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     grid.add_column()
     for label, text in _run_lines(summary):
         grid.add_row(label, text)
+    if summary.get("grad_hist"):            # histograms of log2|gradient|: ampaudit.report.grad_hist
+        from ampaudit.report.grad_hist import describe
+        grid.add_row("grad range", escape(describe(summary["grad_hist"])))
     c.print(grid)
 
     first = summary["first_nonfinite"]

@@ -1,5 +1,6 @@
 """A trace's mixed-precision health as one plain dict: steps, skips, loss scale, first non-finite, divergence,
-headroom, float8 layers (:mod:`ampaudit.report.trace_fp8`), recommendations.
+headroom, float8 layers (:mod:`ampaudit.report.trace_fp8`), gradient magnitudes (:mod:`ampaudit.report.grad_hist`),
+recommendations.
 
     from ampaudit.report.trace_summary import summarize_trace
     summary = summarize_trace("run.jsonl", top=5)
@@ -78,6 +79,7 @@ class TraceData:
     nonfinite: list[dict] = field(default_factory=list)
     divergence: list[dict] = field(default_factory=list)
     skips: list[dict] = field(default_factory=list)
+    grad_hist: list[dict] = field(default_factory=list)     # rows of ampaudit.report.grad_hist
     checkpoints: list[dict] = field(default_factory=list)
     halts: list[dict] = field(default_factory=list)
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
@@ -160,6 +162,12 @@ def collect(events: Iterable[dict]) -> TraceData:
                 "step": step, "scale": finite(ev.get("scale")),
                 "modules": [m for m in mods if isinstance(m, str)] if isinstance(mods, list) else [],
                 "params": [p for p in params if isinstance(p, str)] if isinstance(params, list) else []})
+        elif kind == "grad_hist":
+            from ampaudit.report.grad_hist import hist_row
+
+            row = hist_row(ev, step)
+            if row is not None:
+                data.grad_hist.append(row)
         elif kind == "checkpoint":
             data.checkpoints.append({"step": step, "path": _text(ev.get("path"))})
         elif kind == "halt":
@@ -325,6 +333,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     recommendations name the check findings the run confirmed. ``top`` bounds the module tables."""
     from ampaudit.policy import divergence_thresholds
     from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
+    from ampaudit.report.grad_hist import grad_hist_summary
     from ampaudit.report.trace_fp8 import fp8_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
@@ -352,6 +361,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
                        "first_jump": first_jump(data, high)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
+        "grad_hist": grad_hist_summary(data, top=top),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,

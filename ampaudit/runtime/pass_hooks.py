@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import AmpAuditError
 from ampaudit.runtime.divergence import DivergenceProbe
+from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.locate import capture_rng, float_tensors, judge_against_fp32, replay
 from ampaudit.runtime.schedule import DivergenceSchedule
 from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes
@@ -78,6 +79,7 @@ class PassHooks:
     max_events: int
     # parts
     _acc: StatsAccumulator
+    _hist: GradHistograms | None     # log2|gradient| histograms, on full passes (None: off)
     _fslot: dict
     _bslot: dict
     _schedule: DivergenceSchedule
@@ -152,14 +154,18 @@ class PassHooks:
                     p.hooked[1].append(self._bslot[mod])
                 else:
                     slots = [self._bslot[mod]]
-                    t.register_hook(self._grad_hook(slots, full))
+                    t.register_hook(self._grad_hook(slots, full, p.step))
                     p.hooked = (t, slots)
 
-    def _grad_hook(self, slots: list[int], full: bool):
+    def _grad_hook(self, slots: list[int], full: bool, step: int | None):
+        hist = self._hist if full else None
+
         def hook(grad: torch.Tensor) -> None:
             if not self._suspended and grad is not None and grad.is_floating_point():
                 for slot in slots:
                     self._acc.observe(slot, grad, full=full)
+                if hist is not None:
+                    hist.observe(slots, grad, step)
         return hook
 
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
@@ -247,6 +253,8 @@ class PassHooks:
                 probe.close()
         elif p.sample:          # the root's slots already cover its outputs and the upstream gradient
             bad = self._acc.end_pass(full=p.full)
+            if p.full and self._hist is not None:
+                self._hist.end_pass(p.step)
         else:
             # The extremes of the model's outputs and of the upstream gradient (read already on a lean pass).
             # An overflow that starts inside backward shows up in the per-module gradient statistics of the

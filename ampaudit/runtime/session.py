@@ -259,6 +259,8 @@ class WatchSession:
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
         if self.fp8 is not None:     # the step's fp8 events (its backward is done) go before its `step` line
             self.fp8.end_step(self._step)
+        # The scale this step's gradients carried, for its grad_hist events; no scale is no scaler: 1.
+        self.watch.set_loss_scale(scale or 1.0)
         self.writer.write("step", step=self._step, loss=loss, scale=scale, skipped=bool(skipped),
                           grad_norm=grad_norm, clipped=clipped, lr=lr, time=elapsed)
         self._t0, self._losses, self._norms = None, [], ([], None, 1.0)

@@ -13,7 +13,10 @@ headroom_bits), ``nonfinite`` (phase forward|backward, module, op, source), ``di
 FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite grads), ``checkpoint``, ``halt``,
 and for torchao Float8Linear layers (``ampaudit.runtime.fp8_stats``) ``fp8`` (module; input, weight, grad_output:
 amax, scale, flushed_share, clipped_share) and ``fp8_budget`` (module, role, flushed_share, max_flushed_share,
-fallback). New kinds are additive: a reader skips kinds it does not know.
+fallback). Version 2 adds ``grad_hist`` (module, phase backward, lo, counts, zeros, nonfinite, numel, passes,
+scale: ``counts[i]`` gradient values with ``floor(log2|g|) == lo + i`` as measured, at loss scale ``scale``, None
+when unknown; see :mod:`ampaudit.runtime.grad_hist`); a version 1 trace reads the same, without histograms. New
+kinds are additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from typing import IO, Any
 
 from ampaudit.errors import TraceError
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+# Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
+BULK_EVENTS = frozenset({"stats", "grad_hist"})
 
 
 def jsonable(value: Any) -> Any:
@@ -78,8 +83,8 @@ class EventLog:
     """The events of one watched run: kept in ``events`` and written to a trace, if there is one.
 
     ``trace``: a JSON Lines path (opened and closed here), an open :class:`TraceWriter` (shared with a trainer
-    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` events
-    (the bulk of a run) go to the file only.
+    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` and
+    ``grad_hist`` events (:data:`BULK_EVENTS`, the bulk of a run) go to the file only.
 
         log = EventLog("run.jsonl")
         log.emit("nonfinite", step=3, module="attn", ...)
@@ -100,7 +105,7 @@ class EventLog:
 
     def emit(self, event: str, step: int | None, **fields: Any) -> None:
         record = {"event": event, "step": step, **fields}
-        if self.writer is None or event != "stats":
+        if self.writer is None or event not in BULK_EVENTS:
             self.events.append(record)
         if self.writer is not None:
             self.writer.write(event, step=step, **fields)

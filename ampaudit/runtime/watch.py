@@ -10,8 +10,10 @@
 
 ``w = ampaudit.watch(...)`` / ``w.close()`` works too; ``close`` removes every hook. DDP/DataParallel
 models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.runtime.trace``) and to
-``w.events``: ``stats`` per module and phase every ``every`` steps, ``nonfinite`` where inf/NaN first
-appears, ``divergence`` every ``divergence_every`` steps, ``skip`` from :meth:`Watch.on_skipped_step`.
+``w.events``: ``stats`` per module and phase every ``every`` steps, ``grad_hist`` (log2|gradient| per module,
+:mod:`ampaudit.runtime.grad_hist`) with them, ``nonfinite`` where inf/NaN first appears, ``divergence`` every
+``divergence_every`` steps, ``skip`` from :meth:`Watch.on_skipped_step`. Pass ``scaler=scaler`` (or call
+:meth:`Watch.set_loss_scale`) so the histograms know the loss scale in the gradients.
 
 A :class:`Watch` is made of its parts: the hook methods run in each pass (:class:`~ampaudit.runtime.pass_hooks.
 PassHooks`, with one :class:`~ampaudit.runtime.pass_hooks.PassState` per pass), the statistics accumulator
@@ -33,6 +35,7 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.errors import UsageError
+from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.grads import nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
 from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
@@ -55,7 +58,10 @@ class Watch(PassHooks):
     module). ``max_replays``: locator replays in all (the first, then one per interval with inf/NaN);
     ``max_events``: origins reported per replay (forward first; later ones are mostly echoes).
     ``raise_on_nonfinite``: raise :class:`NonFiniteError` (from the forward or ``backward()`` call) once the
-    origin has been written to the trace.
+    origin has been written to the trace. ``grad_hist``: on the pass that takes the exact counts (the first
+    sampled pass of each interval) also count each module's output gradient by ``floor(log2|g|)`` (a ``grad_hist``
+    event per module and interval). ``scaler``: the ``torch.amp.GradScaler`` of the loop, read once per such pass
+    for the loss scale those gradients carry; without one, :meth:`set_loss_scale` says it (else it is unknown).
 
     Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
     scopes run on some checks only, counted in divergence checks (not steps), starting with the first
@@ -70,7 +76,8 @@ class Watch(PassHooks):
                  every: int = 50, divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
                  raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
                  locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
-                 grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2):
+                 grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
+                 grad_hist: bool = True, scaler: Any = None):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -96,6 +103,7 @@ class Watch(PassHooks):
         # Parts.
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)
+        self._hist = GradHistograms(scaler) if stats and grad_hist else None
         self._fslot = {m: self._acc.slot(n, "forward") for m, n in self._names.items()}
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
         self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
@@ -158,6 +166,12 @@ class Watch(PassHooks):
             self._end_pass()
         self._raise_pending()
 
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss scale the backward of the current step carries (``grad_hist`` events record it); any time
+        before the interval's flush. Not needed with ``scaler=``."""
+        if self._hist is not None:
+            self._hist.note_scale(float(scale), self.step)
+
     def on_skipped_step(self, scale: float, found: dict | None = None) -> dict:
         """The loss scaler skipped this step: name the parameters (and their modules) with inf/NaN grads.
 
@@ -183,6 +197,9 @@ class Watch(PassHooks):
         step = self._pass.step if self._pass.step is not None else self.step
         for rec in self._acc.drain():
             self._emit("stats", step=step, **rec)
+        if self._hist is not None:
+            for rec in self._hist.drain(self._acc.names):
+                self._emit("grad_hist", **rec)
         self._interval_start = None
         self._counts_due = True
 
