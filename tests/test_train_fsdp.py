@@ -193,3 +193,50 @@ def test_a_killed_save_leaves_the_last_good_checkpoint(blocks, tmp_path, monkeyp
         again.fit(steps=2, resume=True)
         assert again.step == 2
         _close(again.full_state_dict(), before, rtol=0, atol=0)
+
+
+ATTRIBUTION_SCRIPT = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {assets!r})
+import train_blocks
+from ampaudit.train import fsdp
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = train_blocks.build_model()
+fsdp.shard(model, dtype=torch.float16)
+for p in model.parameters():
+    p.grad = torch.zeros_like(p)
+up = model.blocks[2].up.weight                      # 64 rows: rank 0 holds 0-31, rank 1 rows 32-63
+if rank == 1:
+    up.grad.to_local()[3, 5] = float("inf")
+found = fsdp.nonfinite_grads(list(model.named_parameters()))
+norm = fsdp.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+with open({out!r} + str(rank), "w") as fh:     # one file per rank: their stdout lines would interleave
+    print("rank", rank, found["params"], found["modules"], float(norm), up.to_local().shape[0], file=fh)
+dist.destroy_process_group()
+"""
+
+
+def test_a_nonfinite_gradient_in_one_ranks_shard_is_named_on_every_rank(tmp_path):
+    script = tmp_path / "attribution.py"
+    script.write_text(ATTRIBUTION_SCRIPT.format(assets=str(ASSETS), out=str(tmp_path / "rank")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [(tmp_path / f"rank{r}").read_text().strip() for r in (0, 1)]
+    assert lines == ["rank 0 ['blocks.2.up.weight'] ['blocks.2.up'] inf 32",
+                     "rank 1 ['blocks.2.up.weight'] ['blocks.2.up'] inf 32"]
+
+
+def test_two_rank_fsdp_halt_names_modules_and_writes_a_sharded_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ampaudit",
+           "train", str(ASSETS / "train_overflow.py"), "--fsdp", "--steps", "50", "--max-consecutive-skips", "3",
+           "--checkpoint", str(ckpt)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180, check=False)
+    assert "exitcode  : 3" in done.stderr and "SIGABRT" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("error: training halted at step 3") == 1      # rank 0 alone reports
+    import json
+    diagnosis = json.loads((ckpt / "halt.json").read_text())
+    assert {m["module"] for m in diagnosis["overflowing_modules"]} == {"0", "2"}, diagnosis   # modules, not shards
+    assert json.loads((ckpt / "halted.json").read_text())["step"] == 3
