@@ -3,6 +3,7 @@
     python bench/train_overhead.py          # tiny MLP fp16 (scaler path) accum 1 and 4, sample transformer bf16
     python bench/train_overhead.py --configs transformer:float16:1 --steps 5   # CPU fp16 GEMMs are slow
     python bench/train_overhead.py --json out.json
+    python bench/train_overhead.py --fsdp   # FSDP2 on 2 gloo ranks vs a hand fully_shard loop, memory vs DDP
 
 The tiny MLP steps in under a millisecond, so it lays the trainer's per-step Python cost bare (the worst case);
 the sample transformer (samples/char_transformer.py) is a realistic small model.
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ampaudit.train import Trainer
-from ampaudit.train.trainer import parse_dtype
+from ampaudit.dtypes import parse_train_dtype as parse_dtype
 
 TARGET = 1.03
 
@@ -111,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: CPU time = work done)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fsdp", action="store_true", help="run bench/train_fsdp.py instead (2 ranks under torchrun)")
     args = ap.parse_args(argv)
+    if args.fsdp:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import train_fsdp
+
+        return train_fsdp.main(["--rounds", str(args.rounds)] + (["--json", str(args.json)] if args.json else []))
     torch.set_num_threads(args.threads)
     print(f"clip={args.clip} steps/round={args.steps} rounds={args.rounds} threads={torch.get_num_threads()}; "
           "ms per optimizer step: CPU time (min and median over rounds) and wall time (median)")
