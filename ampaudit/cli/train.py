@@ -78,6 +78,9 @@ def train(
     clip_value: Annotated[Optional[float], typer.Option(help="Clip each gradient element to +-this.")] = None,
     clip_per_layer: Annotated[bool, typer.Option(help="With --clip-norm: clip each layer's norm separately.")] = False,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate (overrides make_optimizer's).")] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="Ramp the LR linearly from 0 over the first N optimizer steps (on top of make_scheduler's).")] = None,
+    scale_lr: Annotated[Optional[str], typer.Option(help="Scale the LR to the effective batch (micro-batch x --accum x ranks) from --base-batch: linear or sqrt.")] = None,
+    base_batch: Annotated[Optional[int], typer.Option(help="The batch the LR was tuned at, for --scale-lr.")] = None,
     loss_scale: Annotated[str, typer.Option(help="dynamic, none, a fixed number, or auto (dynamic for "
                                             "float16, none for bfloat16).")] = "auto",
     max_consecutive_skips: Annotated[int, typer.Option(help="Halt (exit 3) after this many skipped steps "
@@ -137,6 +140,7 @@ def train(
         scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,
                         "min_scale": min_scale, "max_scale": max_scale, "skip_window": skip_window,
                         "max_skip_fraction": max_skip_fraction},
+        warmup_steps=warmup_steps, scale_lr=scale_lr, base_batch=base_batch,
         meta={"target": loaded.display, "argv": sys.argv[1:]})
     main = trainer.dist.is_main
     if resume and main and checkpoint is not None:

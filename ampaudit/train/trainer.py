@@ -51,6 +51,7 @@ from ampaudit.train.checkpoint import (
 from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
 from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
+from ampaudit.train.lr import LRPolicy
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
 from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
@@ -86,7 +87,9 @@ class Trainer:
                  trace_every: int = 50, divergence_every: int | None = None, fp8_fallback: bool = False,
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None,
+                 warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
+                 micro_batch: int | None = None):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
@@ -137,6 +140,12 @@ class Trainer:
         if not params:
             raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
         self.optimizer = self._build_optimizer(optimizer, params, lr)
+        # Scaled before the scheduler is built, so its base LRs are the scaled ones (ampaudit.train.lr).
+        self._lr_policy = LRPolicy.build(self.optimizer, as_factory(train_data), micro_batch=micro_batch,
+                                         warmup_steps=warmup_steps, scale=scale_lr, base_batch=base_batch,
+                                         accum=accum, world_size=self.dist.world_size)
+        if self._lr_policy.active:
+            self._meta.setdefault("lr_policy", self._lr_policy.describe())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else scaler_for(
             loss_scale, self.dtype, self.device.type, max_consecutive_skips=max_consecutive_skips,
@@ -314,6 +323,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             return None
+        self._lr_policy.begin(self.optimizer, taken=self.step - self.scaler.total_skips)   # warmup share
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = self.scaler.get_scale()
         stepped, norm, clipped = self._optimizer_step(step, scale)
@@ -352,6 +362,7 @@ class Trainer:
         norm, clipped = clip_gradients(self._clip_groups, mode=self._clip_mode, max_value=self._clip_max,
                                        want_norm=self.session.active)
         stepped = self.scaler.step(self.optimizer)
+        self._lr_policy.end(self.optimizer)     # the scheduler's own LR back before it steps
         if stepped:
             if self.masters is not None:
                 self.masters.copy_to_model()
