@@ -5,8 +5,8 @@ accumulation, master weights, checkpoints and an optional trace.
         --checkpoint ckpt --checkpoint-every 100 --trace run.jsonl --save final.pt
     torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --accum 2
 
-The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``
-and ``make_scheduler(optimizer)``). Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N.
+The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``,
+``make_scheduler(optimizer)``, and for ``--eval-every`` ``eval_data()`` and ``metric_fn(output, target) -> dict``). Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def train(
     warmup_steps: Annotated[Optional[int], typer.Option(help="Ramp the LR linearly from 0 over the first N optimizer steps (on top of make_scheduler's).")] = None,
     scale_lr: Annotated[Optional[str], typer.Option(help="Scale the LR to the effective batch (micro-batch x --accum x ranks) from --base-batch: linear or sqrt.")] = None,
     base_batch: Annotated[Optional[int], typer.Option(help="The batch the LR was tuned at, for --scale-lr.")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Every N steps evaluate eval_data() under autocast and in FP32 (same weights, eval mode): both losses, metrics (metric_fn, else top-1/top-5) and their gap, as an eval event in the trace.")] = None,
     loss_scale: Annotated[str, typer.Option(help="dynamic, none, a fixed number, or auto (dynamic for "
                                             "float16, none for bfloat16).")] = "auto",
     max_consecutive_skips: Annotated[int, typer.Option(help="Halt (exit 3) after this many skipped steps "
@@ -141,6 +142,7 @@ def train(
                         "min_scale": min_scale, "max_scale": max_scale, "skip_window": skip_window,
                         "max_skip_fraction": max_skip_fraction},
         warmup_steps=warmup_steps, scale_lr=scale_lr, base_batch=base_batch,
+        eval_data=loaded.hook("eval_data"), eval_every=eval_every, metric_fn=loaded.hook("metric_fn"),
         meta={"target": loaded.display, "argv": sys.argv[1:]})
     main = trainer.dist.is_main
     if resume and main and checkpoint is not None:
@@ -166,6 +168,9 @@ def train(
         scale = "off" if result.scale is None else f"{result.scale:g}"
         loss = "n/a" if result.loss is None else f"{result.loss:.6g}"
         typer.echo(f"trained {result.steps} steps ({result.skipped} skipped); loss {loss}; loss scale {scale}")
+        if trainer.evaluator is not None and trainer.evaluator.results:
+            from ampaudit.train.evaluate import describe_result
+            typer.echo(describe_result(trainer.evaluator.results[-1]))
         if result.checkpoint is not None:
             typer.echo(f"checkpoint: {result.checkpoint}")
         if save is not None:

@@ -7,8 +7,8 @@ and which ``ampaudit check`` findings the run confirmed.
         print(rec["severity"], rec["message"], rec.get("code"))
 
 Each recommendation is a dict: ``kind`` (broken | keep_fp32 | nonfinite_unlocated | confirmed_findings |
-init_scale | bf16 | clipping), ``severity`` (error | warning | info), ``message``, and, where there is one,
-``code`` (a line to paste) and ``modules`` / ``findings``. Thresholds are the table :data:`THRESHOLDS`.
+init_scale | bf16 | clipping | eval_gap), ``severity`` (error | warning | info), ``message``, and, where there is
+one, ``code`` (a line to paste) and ``modules`` / ``findings``. Thresholds are the table :data:`THRESHOLDS`.
 """
 from __future__ import annotations
 
@@ -210,5 +210,8 @@ def recommend(summary: dict, data: Any, *, all_divergence: list[dict], all_headr
     recs = [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
             _confirmed(findings or [], evidence),
             _init_scale(summary, data), _bf16(summary, data, evidence), _clipping(summary)]
+    from ampaudit.report.trace_eval import eval_advice  # it reads trace_summary, which imports this module
+
+    recs.append(eval_advice(summary))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])

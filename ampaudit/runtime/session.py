@@ -28,6 +28,7 @@ model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -261,6 +262,10 @@ class WatchSession:
         if self.watch is not None:
             self.skips.append({"step": self._step, **found})
         return found
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """A context in which the model runs outside training (the trainer's evaluation) unseen by the watch."""
+        return self.watch.suspended() if self.watch is not None else contextlib.nullcontext()
 
     def write(self, event: str, step: int | None = None, **fields: Any) -> None:
         """Write an event of the caller's own (the trainer's ``checkpoint`` and ``halt``) while the trace is open."""

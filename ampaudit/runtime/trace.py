@@ -14,6 +14,12 @@ FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite
 and for torchao Float8Linear layers (``ampaudit.runtime.fp8_stats``) ``fp8`` (module; input, weight, grad_output:
 amax, scale, flushed_share, clipped_share) and ``fp8_budget`` (module, role, flushed_share, max_flushed_share,
 fallback). New kinds are additive: a reader skips kinds it does not know.
+
+Version 2 adds ``eval`` (the trainer's evaluation, :mod:`ampaudit.train.evaluate`: dtype, batches, samples, time,
+``loss`` and ``metrics: {name: ...}``, each ``{"autocast", "fp32", "gap", "noise"}``: gap = autocast - fp32, noise =
+the standard error of the FP32 value over the eval batches or null) and, in the trainer's ``meta``, ``lr_policy``
+(warmup_steps, scale, base_batch, micro_batch, effective_batch, factor). A version-1 trace is a version-2 trace
+without them, so readers take both; a reader of version 1 skips the ``eval`` kind as unknown.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ from typing import IO, Any
 
 from ampaudit.errors import TraceError
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)    # what ampaudit report reads; a newer trace is read as far as it is known
 
 
 def jsonable(value: Any) -> Any:

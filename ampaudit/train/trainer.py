@@ -51,6 +51,7 @@ from ampaudit.train.checkpoint import (
 from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
 from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
+from ampaudit.train.evaluate import Evaluator
 from ampaudit.train.lr import LRPolicy
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
 from ampaudit.train.progress import TrainProgress
@@ -89,7 +90,8 @@ class Trainer:
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
                  meta: dict[str, Any] | None = None,
                  warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
-                 micro_batch: int | None = None):
+                 micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
+                 metric_fn: Callable[[Any, Any], dict] | None = None):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
@@ -170,6 +172,9 @@ class Trainer:
         # no trace the session watches nothing (memory=False: no in-memory events either).
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback)
+        # Autocast beside FP32 on eval_data() every eval_every steps (ampaudit.train.evaluate); rank 0 evaluates.
+        self.evaluator = None if eval_every is None else Evaluator(
+            eval_data, loss_fn, every=eval_every, metric_fn=metric_fn, dtype=self.dtype, device=self.device)
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
@@ -298,6 +303,8 @@ class Trainer:
                     halt = self.scaler.halt_reason()
                     if halt:
                         self._halt(halt, loss)
+                    if self.evaluator is not None and self.evaluator.due(self.step):
+                        self._evaluate()
                     if self._checkpoint_every and self.step % self._checkpoint_every == 0:
                         checkpoint = self.save_checkpoint()
                     if self._signals.signum is not None:
@@ -392,6 +399,12 @@ class Trainer:
         raise TrainingHalted(f"training halted at step {self.step}: {reason}; {describe(diagnosis)}",
                              hint=f"checkpoint and diagnosis in {directory}/; try bfloat16, keep those modules in "
                                   "fp32 (ampaudit check), or lower the learning rate")
+
+    def _evaluate(self) -> None:
+        if self.dist.is_main:     # the other ranks go on to the next step and wait for rank 0 in its all-reduce
+            with self.session.paused():
+                result = self.evaluator.run(self.model, self.step, masters=self.masters)
+            self.session.write("eval", step=self.step, **result)
 
     def _trace_meta(self) -> dict[str, Any]:
         return {"dtype": name_of(self.dtype), "device": str(self.device),
