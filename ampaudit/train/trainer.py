@@ -39,6 +39,7 @@ from ampaudit.fileio import atomic_write_text
 from ampaudit.runtime.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
+from ampaudit.train.activations import checkpoint_blocks
 from ampaudit.train.checkpoint import (
     DIAGNOSIS,
     HALTED,
@@ -91,7 +92,8 @@ class Trainer:
                  meta: dict[str, Any] | None = None,
                  warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
                  micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
-                 metric_fn: Callable[[Any, Any], dict] | None = None):
+                 metric_fn: Callable[[Any, Any], dict] | None = None,
+                 checkpoint_activations: str | list[str] | None = None):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
@@ -172,6 +174,9 @@ class Trainer:
         # no trace the session watches nothing (memory=False: no in-memory events either).
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback)
+        if checkpoint_activations:      # "auto" or class names (ampaudit.train.activations); recomputes unwatched
+            self._meta.setdefault("checkpoint_activations", checkpoint_blocks(
+                model, checkpoint_activations, recompute_context=self.session.paused))
         # Autocast beside FP32 on eval_data() every eval_every steps (ampaudit.train.evaluate); rank 0 evaluates.
         self.evaluator = None if eval_every is None else Evaluator(
             eval_data, loss_fn, every=eval_every, metric_fn=metric_fn, dtype=self.dtype, device=self.device)
