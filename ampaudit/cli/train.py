@@ -11,6 +11,7 @@ The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and op
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -82,6 +83,7 @@ def train(
     scale_lr: Annotated[Optional[str], typer.Option(help="Scale the LR to the effective batch (micro-batch x --accum x ranks) from --base-batch: linear or sqrt.")] = None,
     base_batch: Annotated[Optional[int], typer.Option(help="The batch the LR was tuned at, for --scale-lr.")] = None,
     checkpoint_activations: Annotated[Optional[str], typer.Option(help="Activation checkpointing (non-reentrant; autocast and RNG preserved in the recompute): auto for the model's repeated blocks, or CLASS,... to name them.")] = None,
+    sync_bn: Annotated[bool, typer.Option("--sync-bn", help="Under torchrun: BatchNorm computes its statistics over every rank's micro-batch (SyncBatchNorm; gloo on CPU too).")] = False,
     eval_every: Annotated[Optional[int], typer.Option(help="Every N steps evaluate eval_data() under autocast and in FP32 (same weights, eval mode): both losses, metrics (metric_fn, else top-1/top-5) and their gap, as an eval event in the trace.")] = None,
     loss_scale: Annotated[str, typer.Option(help="dynamic, none, a fixed number, or auto (dynamic for "
                                             "float16, none for bfloat16).")] = "auto",
@@ -131,6 +133,8 @@ def train(
     if plan is not None or dtype == "float8":
         dtype = _apply_plan(loaded, plan, dtype, device)
     make_scheduler = loaded.hook("make_scheduler")
+    from ampaudit.train.batchnorm import SmallBatchWarning
+    warnings.filterwarnings("ignore", category=SmallBatchWarning)   # printed below as one line instead
     trainer = Trainer(
         loaded.model, loss_fn, train_data, optimizer=loaded.hook("make_optimizer"), scheduler=make_scheduler,
         lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
@@ -144,9 +148,11 @@ def train(
                         "max_skip_fraction": max_skip_fraction},
         warmup_steps=warmup_steps, scale_lr=scale_lr, base_batch=base_batch,
         eval_data=loaded.hook("eval_data"), eval_every=eval_every, metric_fn=loaded.hook("metric_fn"),
-        checkpoint_activations=checkpoint_activations,
+        checkpoint_activations=checkpoint_activations, sync_bn=sync_bn,
         meta={"target": loaded.display, "argv": sys.argv[1:]})
     main = trainer.dist.is_main
+    for message in trainer.warnings:        # rank 0's, said once at the start
+        typer.echo(f"warning: {message}", err=True)
     if resume and main and checkpoint is not None:
         last = checkpoint / LAST
         typer.echo(f"resuming from {last}" if last.is_file() else f"no checkpoint at {last}; starting fresh",

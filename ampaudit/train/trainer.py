@@ -40,6 +40,7 @@ from ampaudit.runtime.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
 from ampaudit.train.activations import checkpoint_blocks
+from ampaudit.train.batchnorm import convert_for_ddp, warn_small_batches
 from ampaudit.train.checkpoint import (
     DIAGNOSIS,
     HALTED,
@@ -93,7 +94,7 @@ class Trainer:
                  warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
                  micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
                  metric_fn: Callable[[Any, Any], dict] | None = None,
-                 checkpoint_activations: str | list[str] | None = None):
+                 checkpoint_activations: str | list[str] | None = None, sync_bn: bool = False):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
@@ -132,6 +133,9 @@ class Trainer:
             cast_model_o2(model, self.dtype)
         else:
             refuse_low_precision_weights(model)
+        if sync_bn and self.dist.enabled:   # before the wrap: DDP must see the modules it will run
+            model = convert_for_ddp(model, self.device, divergence_every=divergence_every,
+                                    alone=lambda: self.session.replaying)   # rank 0's watch replays alone
         self._forward_model = ddp.wrap(model, self.dist, self.device)
         self.model = model
         # Masters are taken after the DDP wrap: its constructor broadcasts rank 0's weights into the model.
@@ -174,6 +178,12 @@ class Trainer:
         # no trace the session watches nothing (memory=False: no in-memory events either).
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback)
+        # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
+        found = warn_small_batches(model, as_factory(train_data), micro_batch=micro_batch, accum=accum,
+                                   world_size=self.dist.world_size) if self.dist.is_main else None
+        self.warnings: list[str] = [found] if found else []
+        if found:
+            self._meta.setdefault("warnings", self.warnings)
         if checkpoint_activations:      # "auto" or class names (ampaudit.train.activations); recomputes unwatched
             self._meta.setdefault("checkpoint_activations", checkpoint_blocks(
                 model, checkpoint_activations, recompute_context=self.session.paused))
