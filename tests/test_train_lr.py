@@ -107,7 +107,7 @@ def test_warmup_and_scaled_lr_survive_resume(mlp, tmp_path):
 
 
 def test_bad_lr_options_are_usage_errors(mlp):
-    with pytest.raises(UsageError, match="--base-batch"):
+    with pytest.raises(UsageError, match="needs base_batch"):
         Trainer(mlp.build_model(), mlp.loss_fn, mlp.train_data, scale_lr="sqrt", handle_signals=False)
     with pytest.raises(UsageError, match="linear or sqrt"):
         Trainer(mlp.build_model(), mlp.loss_fn, mlp.train_data, scale_lr="cube", base_batch=4,

@@ -100,7 +100,7 @@ def checkpoint_blocks(model: nn.Module, spec: str | Iterable[str], *,
     if not names:
         raise UsageError(f"{type(model).__name__} has no repeated blocks to checkpoint (no ModuleList or "
                          "Sequential repeating a module with submodules)",
-                         hint="name the classes to checkpoint, e.g. --checkpoint-activations Block,MLP")
+                         hint='name the classes to checkpoint, e.g. checkpoint_activations="Block"')
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]

@@ -167,7 +167,7 @@ def convert_for_ddp(model: nn.Module, device: torch.device | str, *, divergence_
     while this rank runs the model by itself (the trainer's watch replaying a pass), when statistics stay local."""
     if divergence_every is not None:
         raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
-                         hint="drop --sync-bn or --divergence-every, or check divergence in a single-process run")
+                         hint="drop sync_bn or divergence_every, or check divergence in a single-process run")
     converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if torch.device(device).type == "cpu":
         for module in converted.modules():

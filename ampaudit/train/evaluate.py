@@ -93,7 +93,7 @@ class Evaluator:
     def __init__(self, eval_data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, every: int,
                  dtype: torch.dtype, device: torch.device, metric_fn: Callable[[Any, Any], dict] | None = None):
         if every is None or every < 1:
-            raise UsageError(f"eval_every must be >= 1, got {every}", hint="e.g. --eval-every 500")
+            raise UsageError(f"eval_every must be >= 1, got {every}", hint="e.g. eval_every=500")
         if dtype == torch.float32:
             raise UsageError("evaluation compares autocast with FP32, and this run trains in float32",
                              hint="drop eval_every, or train in float16/bfloat16")

@@ -58,7 +58,7 @@ def batch_size(batch: Any) -> int:
     found = first(batch)
     if found is None:
         raise TrainError("cannot tell the micro-batch size: the first batch of train_data() holds no batched tensor",
-                         hint="pass micro_batch=N to the Trainer (or drop --scale-lr)")
+                         hint="pass micro_batch=N to the Trainer, or drop scale_lr")
     return int(found.shape[0])
 
 
@@ -83,17 +83,17 @@ class LRPolicy:
     def __init__(self, *, warmup_steps: int | None = None, scale: str | None = None, base_batch: int | None = None,
                  accum: int = 1, world_size: int = 1):
         if warmup_steps is not None and warmup_steps < 0:
-            raise UsageError(f"warmup_steps must be >= 0, got {warmup_steps}", hint="e.g. --warmup-steps 100")
+            raise UsageError(f"warmup_steps must be >= 0, got {warmup_steps}", hint="e.g. warmup_steps=100")
         if scale is not None and scale not in RULES:
-            raise UsageError(f"unknown LR scaling rule {scale!r}: linear or sqrt", hint="e.g. --scale-lr sqrt")
+            raise UsageError(f"unknown LR scaling rule {scale!r}: linear or sqrt", hint='e.g. scale_lr="sqrt"')
         if scale is not None and base_batch is None:
-            raise UsageError(f"scaling the LR ({scale}) needs --base-batch, the batch it was tuned at",
-                             hint="add --base-batch B (Trainer(base_batch=B))")
+            raise UsageError(f"scaling the LR ({scale}) needs base_batch, the batch it was tuned at",
+                             hint="add base_batch=B")
         if base_batch is not None and base_batch < 1:
-            raise UsageError(f"base_batch must be >= 1, got {base_batch}", hint="e.g. --base-batch 256")
+            raise UsageError(f"base_batch must be >= 1, got {base_batch}", hint="e.g. base_batch=256")
         if base_batch is not None and scale is None:
-            raise UsageError("--base-batch without a scaling rule does nothing",
-                             hint="add --scale-lr linear or --scale-lr sqrt")
+            raise UsageError("base_batch without a scaling rule does nothing",
+                             hint='add scale_lr="linear" or scale_lr="sqrt"')
         self.warmup_steps = warmup_steps or 0
         self.rule = scale
         self.base_batch = base_batch
