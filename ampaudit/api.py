@@ -45,24 +45,25 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, **kwargs) -> Report:
+          loss_fn=None, batch: int | None = None, **kwargs) -> Report:
     """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target.
 
     ``calibrate=True`` also runs the model (on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``,
     else the example inputs) in FP32 and under the target's autocast, forward and backward (of
     ``loss_fn(output, target)`` where a batch has a target, else of the sum of the outputs), adding measured
-    ``range``, ``nonfinite`` and ``divergence`` findings.
+    ``range``, ``nonfinite`` and ``divergence`` findings. ``batch``: the per-rank micro-batch the model will be
+    trained with, which the BatchNorm rule (AMP304) judges.
     """
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
                  target=target, base_dir=base_dir, capture_mode=capture_mode, calibrate=calibrate,
-                 batches=batches, loss_fn=loss_fn, **kwargs).report
+                 batches=batches, loss_fn=loss_fn, batch=batch, **kwargs).report
 
 
 def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, **kwargs) -> Audit:
+          loss_fn=None, batch: int | None = None, **kwargs) -> Audit:
     """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
@@ -84,7 +85,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     finally:
         restore()
     _require_tensor_output(cap)
-    ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy)
+    ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, batch=batch)
     skipped: list[str] = []
     if calibrate:
         # What a statistic or the simulation had to skip is said in the report, not raised.

@@ -45,7 +45,8 @@ class LoadedTarget:
     namespace: dict = field(default_factory=dict)
 
     def hook(self, name: str) -> Callable | None:
-        """A protocol function of the model file (``train_data``, ``loss_fn``, ``make_optimizer``), or None."""
+        """A protocol function of the model file (``train_data``, ``loss_fn``, ``make_optimizer``,
+        ``make_scheduler``, ``eval_data``, ``metric_fn``), or None."""
         value = self.namespace.get(name)
         return value if callable(value) else None
 

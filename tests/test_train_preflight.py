@@ -32,7 +32,7 @@ def _fsdp(blocks, model=None, **kwargs):
 def test_models_made_to_fail_are_refused_before_sharding(blocks, entry, check, words):
     with pytest.raises(TrainError, match=f"preflight: {check}: .*{words}") as info:
         _fsdp(blocks, getattr(blocks, entry)())
-    assert "--preflight-only" in info.value.hint
+    assert "preflight_only()" in info.value.hint
     assert not dist.is_initialized()          # the group the trainer joined is left again
 
 

@@ -7,13 +7,15 @@ accumulation, master weights, checkpoints and an optional trace.
     torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --fsdp --dtype bfloat16 --checkpoint ckpt
     torchrun --nproc-per-node 2 -m ampaudit train model.py --fsdp --preflight-only
 
-The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``
-and ``make_scheduler(optimizer)``). Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N;
-``--preflight-only``: 0 when every check passes, 1 when one fails.
+The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``,
+``make_scheduler(optimizer)``, and for ``--eval-every`` ``eval_data()`` and ``metric_fn(output, target) -> dict``).
+Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N; ``--preflight-only``: 0 when every check
+passes, 1 when one fails.
 """
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -80,6 +82,12 @@ def train(
     clip_value: Annotated[Optional[float], typer.Option(help="Clip each gradient element to +-this.")] = None,
     clip_per_layer: Annotated[bool, typer.Option(help="With --clip-norm: clip each layer's norm separately.")] = False,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate (overrides make_optimizer's).")] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="Ramp the LR linearly from 0 over the first N optimizer steps (on top of make_scheduler's).")] = None,
+    scale_lr: Annotated[Optional[str], typer.Option(help="Scale the LR to the effective batch (micro-batch x --accum x ranks) from --base-batch: linear or sqrt.")] = None,
+    base_batch: Annotated[Optional[int], typer.Option(help="The batch the LR was tuned at, for --scale-lr.")] = None,
+    checkpoint_activations: Annotated[Optional[str], typer.Option(help="Activation checkpointing (non-reentrant; autocast and RNG preserved in the recompute): auto for the model's repeated blocks, or CLASS,... to name them.")] = None,
+    sync_bn: Annotated[bool, typer.Option("--sync-bn", help="Under torchrun: BatchNorm computes its statistics over every rank's micro-batch (SyncBatchNorm; gloo on CPU too).")] = False,
+    eval_every: Annotated[Optional[int], typer.Option(help="Every N steps evaluate eval_data() under autocast and in FP32 (same weights, eval mode): both losses, metrics (metric_fn, else top-1/top-5) and their gap, as an eval event in the trace.")] = None,
     loss_scale: Annotated[str, typer.Option(help="dynamic, none, a fixed number, or auto (dynamic for "
                                             "float16, none for bfloat16).")] = "auto",
     max_consecutive_skips: Annotated[int, typer.Option(help="Halt (exit 3) after this many skipped steps "
@@ -141,6 +149,8 @@ def train(
         checks = run_checks(loaded.model, dtype=dtype, opt_level=opt_level, accum=accum, fsdp=fsdp, fsdp_wrap=wrap,
                             reduce_dtype=reduce_dtype, device=device, optimizer=loaded.hook("make_optimizer"))
         raise typer.Exit(1 if any(c.status == "fail" for c in checks) else 0)
+    from ampaudit.train.batchnorm import SmallBatchWarning
+    warnings.filterwarnings("ignore", category=SmallBatchWarning)   # printed below as one line instead
     trainer = Trainer(
         loaded.model, loss_fn, train_data, optimizer=loaded.hook("make_optimizer"), scheduler=make_scheduler,
         lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
@@ -154,8 +164,13 @@ def train(
         scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,
                         "min_scale": min_scale, "max_scale": max_scale, "skip_window": skip_window,
                         "max_skip_fraction": max_skip_fraction},
+        warmup_steps=warmup_steps, scale_lr=scale_lr, base_batch=base_batch,
+        eval_data=loaded.hook("eval_data"), eval_every=eval_every, metric_fn=loaded.hook("metric_fn"),
+        checkpoint_activations=checkpoint_activations, sync_bn=sync_bn,
         meta={"target": loaded.display, "argv": sys.argv[1:]})
     main = trainer.dist.is_main
+    for message in trainer.warnings:        # rank 0's, said once at the start
+        typer.echo(f"warning: {message}", err=True)
     if resume and main and checkpoint is not None:
         typer.echo(f"resuming from {checkpoint}" if trainer.has_checkpoint()
                    else f"no checkpoint in {checkpoint}; starting fresh", err=True)
@@ -180,6 +195,9 @@ def train(
         scale = "off" if result.scale is None else f"{result.scale:g}"
         loss = "n/a" if result.loss is None else f"{result.loss:.6g}"
         typer.echo(f"trained {result.steps} steps ({result.skipped} skipped); loss {loss}; loss scale {scale}")
+        if trainer.evaluator is not None and trainer.evaluator.results:
+            from ampaudit.train.evaluate import describe_result
+            typer.echo(describe_result(trainer.evaluator.results[-1]))
         if result.checkpoint is not None:
             typer.echo(f"checkpoint: {result.checkpoint}")
         if save is not None:

@@ -11,6 +11,7 @@ Tags (``<top>`` names the top module):
     headroom/<phase>/<module>          headroom_bits of each ``stats`` event (bits left below the dtype's max)
     absmax/<phase>/<module>
     divergence/<scope>/<module>/rel_l2 and .../sqnr_db    (scope "grad" uses the parameter name)
+    eval/<name>/autocast, eval/<name>/fp32, eval/<name>/gap   per ``eval`` event (<name>: loss or a metric)
     nonfinite/count, plus a text entry "nonfinite" per origin and "skip" per skipped step naming the modules.
 Non-finite values (a skipped step's inf grad norm) are not plotted: the ``train/skipped`` series shows them.
 """
@@ -73,6 +74,13 @@ def _modules(out: _Scalars, data: TraceData) -> None:
         out.add(f"divergence/{d['scope']}/{who}/sqnr_db", d["sqnr_db"], d["step"])
 
 
+def _evals(out: _Scalars, data: TraceData) -> None:
+    for row in data.evals:
+        for name, q in row["quantities"].items():
+            for which in ("autocast", "fp32", "gap"):
+                out.add(f"eval/{name}/{which}", q[which], row["step"])
+
+
 def _texts(writer: Any, out: _Scalars, data: TraceData) -> None:
     for i, ev in enumerate(data.nonfinite, start=1):
         step = ev["step"] if ev["step"] is not None else 0
@@ -103,6 +111,7 @@ def write_tensorboard(events: Iterable[dict], logdir: str | os.PathLike) -> int:
     try:
         _steps(out, data)
         _modules(out, data)
+        _evals(out, data)
         _texts(writer, out, data)
     finally:
         writer.close()

@@ -71,10 +71,20 @@ def _facts(s: dict) -> str:
         rows.append(("first non-finite", f"step {_e(first['step'])}: {_e(first.get('kind') or 'non-finite')} in "
                                          f"{_e(first.get('phase') or '?')} of <b>{_e(module)}</b> "
                                          f"({_e(first.get('op') or '?')}){where}"))
+    if (s.get("eval") or {}).get("count"):
+        rows.append(("eval", _eval_fact(s["eval"])))
     if s["halt"]:
         rows.append(("halted", f"step {_e(s['halt']['step'])}: {_e(s['halt']['reason'])}"))
     # Values above are numbers or escaped already; labels are fixed strings.
     return "<table class=facts>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows) + "</table>"
+
+
+def _eval_fact(ev: dict) -> str:
+    last = ev["last"]
+    parts = [f"{_e(name)} {fmt(q['autocast'], '.4g')} | {fmt(q['fp32'], '.4g')}"
+             for name, q in list(last["quantities"].items())[:4]]
+    return (f"{ev['count']} evals, {_e(ev.get('dtype') or '?')} autocast | FP32 at step {_e(last['step'])}: "
+            + ", ".join(parts) + f"; {len({b['step'] for b in ev['beyond_noise']})} beyond noise")
 
 
 def _recommendations(s: dict) -> str:

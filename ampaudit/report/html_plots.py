@@ -14,6 +14,7 @@ from typing import Callable
 import plotly.graph_objects as go
 
 from ampaudit.report.grad_hist_plot import grad_hist_figure
+from ampaudit.report.html_eval import eval_figure
 from ampaudit.report.trace_advice import THRESHOLDS
 from ampaudit.report.trace_summary import TraceData, divergence_table, headroom_table
 
@@ -201,6 +202,8 @@ def headroom_figure(data: TraceData) -> go.Figure | None:
 # (div id, section title, builder, what the page says when the builder has nothing): shown in this order.
 FIGURES: list[tuple[str, str, Callable[[TraceData], go.Figure | None], str]] = [
     ("plot-loss", "Loss", loss_figure, "No step events with a finite loss."),
+    ("plot-eval", "Evaluation: autocast against FP32", eval_figure,
+     "No eval events: the run was trained without --eval-every."),
     ("plot-scale", "Loss scale (log2) and skipped steps", scale_figure,
      "No loss scale in this run (bfloat16, or no scaler)."),
     ("plot-grad", "Gradient norm and clipping", grad_figure, "No gradient norms recorded."),

@@ -181,6 +181,10 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     if fp8.get("layers") or fp8.get("budget"):
         _render_fp8(fp8, c)
 
+    if (summary.get("eval") or {}).get("count"):
+        from ampaudit.report.trace_eval import render_eval
+        render_eval(summary["eval"], c)
+
     c.print("\n[bold]Recommendations[/]")
     if not summary["recommendations"]:
         c.print("  none: the run looks healthy" if summary["steps"]["count"] else "  none: the trace holds no steps")

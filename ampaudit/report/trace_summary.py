@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ampaudit.runtime.trace import jsonable, read_trace
+from ampaudit.runtime.trace import READABLE_VERSIONS, jsonable, read_trace
 
 SUMMARY_VERSION = 1
 
@@ -84,6 +84,7 @@ class TraceData:
     halts: list[dict] = field(default_factory=list)
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
     fp8_budget: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -115,6 +116,7 @@ def _as_step(value: Any) -> int | None:
 def collect(events: Iterable[dict]) -> TraceData:
     """Group events by kind. A step event without a step number gets the previous one plus one."""
     from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
+    from ampaudit.report.trace_eval import eval_row
 
     data = TraceData()
     last_step = 0
@@ -178,6 +180,8 @@ def collect(events: Iterable[dict]) -> TraceData:
             data.fp8.append(fp8_row(ev, step))
         elif kind == "fp8_budget":
             data.fp8_budget.append(budget_row(ev, step))
+        elif kind == "eval":
+            data.evals.append(eval_row(ev, step))
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -334,10 +338,15 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.policy import divergence_thresholds
     from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
     from ampaudit.report.grad_hist import grad_hist_summary
+    from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
+    version = data.meta.get("version")
+    if isinstance(version, int) and version > max(READABLE_VERSIONS):
+        problems.append(f"trace version {version} is newer than this ampaudit reads ({max(READABLE_VERSIONS)}): "
+                        "events it does not know are left out")
     top = max(1, int(top))
     first_nonfinite, nonfinite = _nonfinite_summary(data)
     scope = data.divergence_scope()
@@ -362,6 +371,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
+        "eval": eval_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,

@@ -48,6 +48,7 @@ class MatchContext:
     root: torch.nn.Module
     policy: Policy
     calibration: Any = None              # an ampaudit.analysis.calibrate.Calibration with check --calibrate
+    batch: int | None = None             # the per-rank micro-batch the model will train with (check --batch)
 
     def nodes(self) -> Iterator[fx.Node]:
         for n in self.gm.graph.nodes:

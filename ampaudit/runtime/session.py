@@ -28,12 +28,14 @@ model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,6 +130,7 @@ class WatchSession:
         self._norms: tuple[list[str], torch.Tensor | None, float] = ([], None, 1.0)
         self._params: list[tuple[str, nn.Parameter]] = []
         self.skips: list[dict] = []
+        self._pauses: list[bool] = []
 
     @property
     def active(self) -> bool:
@@ -284,6 +287,28 @@ class WatchSession:
         if self.watch is not None:
             self.skips.append({"step": self._step, **found})
         return found
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A context in which the model runs outside the watched training passes (the trainer's evaluation, the
+        recompute of checkpointed activations) unseen by the watch."""
+        if self.watch is None:
+            yield
+            return
+        self._pauses.append(self.replaying)    # a pause inside a replay is still part of that replay
+        try:
+            with self.watch.suspended():
+                yield
+        finally:
+            self._pauses.pop()
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the watch is re-running the model on this rank alone (its locator replay, the FP32 shadow):
+        a module that talks to the other ranks (SyncBatchNorm) must not then."""
+        if self.watch is None or not self.watch.replaying:
+            return False
+        return not self._pauses or self._pauses[-1]
 
     def write(self, event: str, step: int | None = None, **fields: Any) -> None:
         """Write an event of the caller's own (the trainer's ``checkpoint`` and ``halt``) while the trace is open."""

@@ -15,8 +15,13 @@ and for torchao Float8Linear layers (``ampaudit.runtime.fp8_stats``) ``fp8`` (mo
 amax, scale, flushed_share, clipped_share) and ``fp8_budget`` (module, role, flushed_share, max_flushed_share,
 fallback). Version 2 adds ``grad_hist`` (module, phase backward, lo, counts, zeros, nonfinite, numel, passes,
 scale: ``counts[i]`` gradient values with ``floor(log2|g|) == lo + i`` as measured, at loss scale ``scale``, None
-when unknown; see :mod:`ampaudit.runtime.grad_hist`); a version 1 trace reads the same, without histograms. New
-kinds are additive: a reader skips kinds it does not know.
+when unknown; see :mod:`ampaudit.runtime.grad_hist`), ``eval`` (the trainer's evaluation,
+:mod:`ampaudit.train.evaluate`: dtype, batches, samples, time, ``loss`` and ``metrics: {name: ...}``, each
+``{"autocast", "fp32", "gap", "noise"}``: gap = autocast - fp32, noise = the standard error of the FP32 value over
+the eval batches or null), ``preflight`` (the trainer's checks: ``checks: [{name, status, message, hint}]``) and,
+in the trainer's ``meta``, ``lr_policy`` (warmup_steps, scale, base_batch, micro_batch, effective_batch, factor),
+``fsdp`` and ``compile``. A version-1 trace is a version-2 trace without them, so readers take both; a reader of
+version 1 skips the new kinds as unknown. New kinds are additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from ampaudit.errors import TraceError
 TRACE_VERSION = 2
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
 BULK_EVENTS = frozenset({"stats", "grad_hist"})
+READABLE_VERSIONS = (1, 2)    # what ampaudit report reads; a newer trace is read as far as it is known
 
 
 def jsonable(value: Any) -> Any:

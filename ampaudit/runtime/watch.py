@@ -27,7 +27,9 @@ Inputs must not be modified in place between forward and backward (they are kept
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
@@ -189,6 +191,15 @@ class Watch(PassHooks):
             finally:
                 self._suspended = False
         return {"params": bad, "modules": modules}
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run the model for something other than training (an evaluation) without the hooks recording it."""
+        before, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = before
 
     def flush(self) -> None:
         """Write ``stats`` events for the passes completed since the last flush."""

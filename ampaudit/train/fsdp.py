@@ -47,7 +47,7 @@ def block_units(model: nn.Module, classes: Sequence[str] | None = None) -> list[
         missing = [c for c in classes if c not in present]
         if missing:
             common = ", ".join(f"{n} ({k})" for n, k in present.most_common(8) if n != type(model).__name__)
-            raise UsageError(f"--fsdp-wrap names {', '.join(missing)}, which the model does not contain",
+            raise UsageError(f"fsdp_wrap names {', '.join(missing)}, which the model does not contain",
                              hint=f"name module classes of this model, e.g. {common}")
         wanted = set(classes)
         chosen = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in wanted]

@@ -64,7 +64,7 @@ def check_groups(groups: dict[str, list[tuple[str, nn.Parameter]]]) -> Check:
             return Check("groups", "fail", f"FSDP group {unit or '<root>'!r} mixes parameter dtypes: {mixed}; "
                          "fully_shard needs one dtype per group",
                          "keep every parameter float32 (MixedPrecisionPolicy casts for compute), or give those "
-                         "modules their own group with --fsdp-wrap CLASS")
+                         "modules their own group (fsdp_wrap: their class)")
     return Check("groups", "ok", f"{len(groups)} FSDP group(s), one parameter dtype each")
 
 
@@ -91,14 +91,14 @@ def check_reduce(dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int)
         return Check("reduce", "ok", f"gradients reduced in float32 over {world_size} rank(s)")
     if reduce_dtype == torch.bfloat16:
         return Check("reduce", "warn", "gradients reduced in bfloat16: the sum keeps 8 mantissa bits, so small "
-                     "ranks' contributions round away", "--reduce-dtype float32")
+                     "ranks' contributions round away", "reduce_dtype float32")
     if dtype == torch.bfloat16 or dtype == torch.float32:
         return Check("reduce", "fail", f"gradients reduced in float16 while training in {name_of(dtype)}: without "
                      "a loss scaler backing off, any gradient sum above 65504 becomes inf",
-                     "--reduce-dtype float32 (or bfloat16)")
+                     "reduce_dtype float32 (or bfloat16)")
     return Check("reduce", "warn", "gradients reduced in float16: FSDP divides by about sqrt(N) before and after "
                  "the sum, but scaled gradients near 65504 still overflow and skip the step",
-                 "--reduce-dtype float32 costs 2x the reduction bytes and removes the risk")
+                 "reduce_dtype float32 costs 2x the reduction bytes and removes the risk")
 
 
 def _optimizer_states(optimizer: torch.optim.Optimizer | None) -> int:
@@ -156,7 +156,7 @@ def check_memory(predicted: dict[str, int], capacity: int | None) -> Check:
     if total > limit:
         return Check("memory", "fail", f"{msg} exceeds {settings()['preflight']['memory_fraction']:.0%} of the "
                      f"{_gib(capacity)} this rank has",
-                     "shard with --fsdp, add ranks, or use a smaller model / an optimizer with less state")
+                     "shard with FSDP, add ranks, or use a smaller model / an optimizer with less state")
     return Check("memory", "ok", f"{msg} of {_gib(capacity)}")
 
 

@@ -44,10 +44,14 @@ from ampaudit.runtime.session import WatchSession
 from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
 from ampaudit.train import fsdp as fsdp_lib
+from ampaudit.train.activations import checkpoint_blocks
+from ampaudit.train.batchnorm import convert_for_ddp, warn_small_batches
 from ampaudit.train.checkpoint import DIAGNOSIS, HALTED
 from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
 from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
+from ampaudit.train.evaluate import Evaluator
+from ampaudit.train.lr import LRPolicy
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
 from ampaudit.train.preflight import Check, failed, resource_checks, structure_checks
 from ampaudit.train.progress import TrainProgress
@@ -101,7 +105,11 @@ class Trainer(TrainerState):
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
                  fsdp: bool = False, fsdp_wrap: list[str] | None = None, reduce_dtype: str | torch.dtype = "float32",
-                 compile: bool = False, preflight: bool = True, meta: dict[str, Any] | None = None):
+                 compile: bool = False, preflight: bool = True, meta: dict[str, Any] | None = None,
+                 warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
+                 micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
+                 metric_fn: Callable[[Any, Any], dict] | None = None,
+                 checkpoint_activations: str | list[str] | None = None, sync_bn: bool = False):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         if accum < 1:
@@ -134,6 +142,10 @@ class Trainer(TrainerState):
             # Rank 0 alone would run the FP32 shadow / swap a layer; a sharded forward needs every rank.
             raise UsageError("divergence checks and fp8_fallback cannot run on an FSDP model",
                              hint="drop divergence_every / fp8_fallback, or check them in a single-process run")
+        if self.fsdp and eval_every is not None:
+            # FSDP gathers the weights in the training dtype: its "FP32" evaluation would run bf16/fp16 weights.
+            raise UsageError("FP32 evaluation (eval_every) cannot run on an FSDP model: FSDP gathers the weights in "
+                             "the training dtype", hint="drop eval_every, or evaluate the saved full state_dict in FP32")
         self.dist = ddp.setup(self.device.type, group=self.fsdp)
         if self.device.type == "cuda" and self.dist.enabled:
             self.device = torch.device("cuda", self.dist.local_rank)
@@ -154,6 +166,9 @@ class Trainer(TrainerState):
         else:
             # Under FSDP, O2 is what the sharded fp32 parameters already are: masters, cast for compute.
             refuse_low_precision_weights(model)
+        if sync_bn and self.dist.enabled:   # before the wrap: DDP / FSDP must see the modules they will run
+            model = convert_for_ddp(model, self.device, divergence_every=divergence_every,
+                                    alone=lambda: self.session.replaying)   # rank 0's watch replays alone
         if self.fsdp:
             self.units = fsdp_lib.shard(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype, classes=fsdp_wrap)
             self._eager_model = model
@@ -173,6 +188,12 @@ class Trainer(TrainerState):
         if not params:
             raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
         self.optimizer = self._build_optimizer(optimizer, params, lr)
+        # Scaled before the scheduler is built, so its base LRs are the scaled ones (ampaudit.train.lr).
+        self._lr_policy = LRPolicy.build(self.optimizer, as_factory(train_data), micro_batch=micro_batch,
+                                         warmup_steps=warmup_steps, scale=scale_lr, base_batch=base_batch,
+                                         accum=accum, world_size=self.dist.world_size)
+        if self._lr_policy.active:
+            self._meta.setdefault("lr_policy", self._lr_policy.describe())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         if self._preflight:
             self._check(resource_checks(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
@@ -204,6 +225,18 @@ class Trainer(TrainerState):
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback,
                                     replays=not (self.fsdp or compile), stats_every=1 if compile else None)
+        # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
+        found = warn_small_batches(model, as_factory(train_data), micro_batch=micro_batch, accum=accum,
+                                   world_size=self.dist.world_size) if self.dist.is_main else None
+        self.warnings: list[str] = [found] if found else []
+        if found:
+            self._meta.setdefault("warnings", self.warnings)
+        if checkpoint_activations:      # "auto" or class names (ampaudit.train.activations); recomputes unwatched
+            self._meta.setdefault("checkpoint_activations", checkpoint_blocks(
+                model, checkpoint_activations, recompute_context=self.session.paused))
+        # Autocast beside FP32 on eval_data() every eval_every steps (ampaudit.train.evaluate); rank 0 evaluates.
+        self.evaluator = None if eval_every is None else Evaluator(
+            eval_data, loss_fn, every=eval_every, metric_fn=metric_fn, dtype=self.dtype, device=self.device)
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _check(self, checks: list[Check]) -> None:
@@ -214,8 +247,8 @@ class Trainer(TrainerState):
         if anywhere:
             first = mine[0] if mine else Check("preflight", "fail", "a check failed on another rank")
             raise TrainError(f"preflight: {first.name}: {first.message}",
-                             hint=f"{first.hint + '; ' if first.hint else ''}ampaudit train --preflight-only "
-                                  "lists every check")
+                             hint=f"{first.hint + '; ' if first.hint else ''}preflight_only() in "
+                                  "ampaudit.train.preflight lists every check")
 
     def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
                          ) -> torch.optim.Optimizer:
@@ -292,6 +325,8 @@ class Trainer(TrainerState):
                     halt = self.scaler.halt_reason()
                     if halt:
                         self._halt(halt, loss)
+                    if self.evaluator is not None and self.evaluator.due(self.step):
+                        self._evaluate()
                     if self._checkpoint_every and self.step % self._checkpoint_every == 0:
                         checkpoint = self.save_checkpoint()
                     if self._signals.signum is not None:
@@ -322,6 +357,7 @@ class Trainer(TrainerState):
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             return None
+        self._lr_policy.begin(self.optimizer, taken=self.step - self.scaler.total_skips)   # warmup share
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = self.scaler.get_scale()
         stepped, norm, clipped = self._optimizer_step(step, scale)
@@ -361,6 +397,7 @@ class Trainer(TrainerState):
         norm, clipped = clip_gradients(self._clip_groups, mode=self._clip_mode, max_value=self._clip_max,
                                        want_norm=self.session.active or (self.fsdp and self._tracing))
         stepped = self.scaler.step(self.optimizer)
+        self._lr_policy.end(self.optimizer)     # the scheduler's own LR back before it steps
         if stepped:
             if self.masters is not None:
                 self.masters.copy_to_model()
@@ -392,6 +429,12 @@ class Trainer(TrainerState):
         raise TrainingHalted(f"training halted at step {self.step}: {reason}; {describe(diagnosis)}",
                              hint=f"checkpoint and diagnosis in {directory}/; try bfloat16, keep those modules in "
                                   "fp32 (ampaudit check), or lower the learning rate")
+
+    def _evaluate(self) -> None:
+        if self.dist.is_main:     # the other ranks go on to the next step and wait for rank 0 in its all-reduce
+            with self.session.paused():
+                result = self.evaluator.run(self.model, self.step, masters=self.masters)
+            self.session.write("eval", step=self.step, **result)
 
     def _trace_meta(self) -> dict[str, Any]:
         return {"dtype": name_of(self.dtype), "device": str(self.device),

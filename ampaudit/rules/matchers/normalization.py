@@ -1,4 +1,5 @@
-"""Normalization hazards the op tables cannot see: hand-written variance/RMS, and norm buffers beyond the dtype."""
+"""Normalization hazards the op tables cannot see: hand-written variance/RMS, norm buffers beyond the dtype, and
+BatchNorm over small per-rank micro-batches (when check is told the batch)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -67,3 +68,18 @@ def norm_buffers(ctx: MatchContext, rule) -> Iterator[Hit]:
                 yield Hit(node, {"buffer": f"{path or type(m).__name__}.{bname}", "value": value,
                                  "dtype": str(ctx.policy.low).replace("torch.", ""), "max": limit},
                           module=path, op="batch_norm")
+
+
+@matcher("small_batch_norm", fields={"batch", "min_batch"})
+def small_batch_norm(ctx: MatchContext, rule) -> Iterator[Hit]:
+    """BatchNorm (not SyncBatchNorm) in a model told to train with per-rank micro-batches below the threshold."""
+    if ctx.batch is None:
+        return
+    from ampaudit.train.batchnorm import batchnorm_layers, min_micro_batch  # the trainer warns from the same test
+
+    limit = min_micro_batch()
+    if ctx.batch >= limit:
+        return
+    where: dict[str, fx.Node] = {str(n.target): n for n in ctx.gm.graph.nodes if n.op == "call_module"}
+    for name in batchnorm_layers(ctx.root):
+        yield Hit(where.get(name), {"batch": ctx.batch, "min_batch": limit}, module=name, op="batch_norm")
