@@ -91,7 +91,9 @@ def test_two_ranks_accum_2_equal_one_rank_accum_4_and_ddp(blocks, tmp_path, one_
 
 
 def test_bf16_two_ranks_equal_one_rank(blocks, tmp_path, one_thread):
+    # Activation checkpointing on the two ranks, off on the one: the recompute under FSDP changes nothing.
     done = _torchrun(2, "--steps", "4", "--dtype", "bfloat16", "--accum", "2", "--fsdp", "--clip-per-layer",
+                     "--checkpoint-activations", "auto",
                      "--clip-norm", "1.0", "--save", str(tmp_path / "fsdp.pt"))
     assert done.returncode == 0, done.stderr[-3000:]
     with Trainer(blocks.build_model(), blocks.loss_fn, blocks.train_data, optimizer=blocks.make_optimizer,

@@ -47,15 +47,16 @@ from ampaudit.train import fsdp as fsdp_lib
 from ampaudit.train.activations import checkpoint_blocks
 from ampaudit.train.batchnorm import convert_for_ddp, warn_small_batches
 from ampaudit.train.checkpoint import DIAGNOSIS, HALTED
-from ampaudit.train.clip import check_clip, clip_gradients, layer_groups
+from ampaudit.train.clip import clip_gradients, layer_groups
 from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
 from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
 from ampaudit.train.evaluate import Evaluator
 from ampaudit.train.lr import LRPolicy
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
-from ampaudit.train.preflight import Check, failed, resource_checks, structure_checks
+from ampaudit.train.preflight import Check, resource_checks, structure_checks
 from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
+from ampaudit.train.setup import build_optimizer, check_distributed, check_options, enforce
 from ampaudit.train.signals import StopSignals
 from ampaudit.train.state import TrainerState
 
@@ -112,21 +113,10 @@ class Trainer(TrainerState):
                  checkpoint_activations: str | list[str] | None = None, sync_bn: bool = False):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
-        if accum < 1:
-            raise UsageError(f"accum must be >= 1, got {accum}", hint="e.g. accum=4")
-        if clip_norm is not None and clip_value is not None:
-            raise UsageError("clip by norm or by value, not both", hint="drop clip_norm or clip_value")
-        self._clip_mode = "value" if clip_value is not None else (clip_mode if clip_norm is not None else None)
-        self._clip_max = clip_value if clip_value is not None else clip_norm
-        check_clip(self._clip_mode, self._clip_max)
-        for name, value in (("checkpoint_every", checkpoint_every), ("trace_every", trace_every),
-                            ("divergence_every", divergence_every)):
-            if value is not None and value < 1:
-                raise UsageError(f"{name} must be >= 1, got {value}")
-        if divergence_every is not None and self.opt_level == "O2":
-            # The FP32 shadow runs the model's own weights, which O2 keeps in low precision.
-            raise UsageError("divergence checks need FP32 weights: opt level O1",
-                             hint='use opt_level="O1" with divergence_every, or drop divergence_every')
+        self._clip_mode, self._clip_max = check_options(
+            opt_level=self.opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value, clip_mode=clip_mode,
+            checkpoint_every=checkpoint_every, trace_every=trace_every, divergence_every=divergence_every,
+            fsdp=fsdp, fp8_fallback=fp8_fallback, eval_every=eval_every)
         self.accum = accum
         self._tracing = trace is not None
         self._loss_fn = loss_fn
@@ -138,14 +128,6 @@ class Trainer(TrainerState):
         self.device = resolve_device(device)
         self.fsdp = bool(fsdp)
         self.reduce_dtype = parse_train_dtype(reduce_dtype)
-        if self.fsdp and (divergence_every is not None or fp8_fallback):
-            # Rank 0 alone would run the FP32 shadow / swap a layer; a sharded forward needs every rank.
-            raise UsageError("divergence checks and fp8_fallback cannot run on an FSDP model",
-                             hint="drop divergence_every / fp8_fallback, or check them in a single-process run")
-        if self.fsdp and eval_every is not None:
-            # FSDP gathers the weights in the training dtype: its "FP32" evaluation would run bf16/fp16 weights.
-            raise UsageError("FP32 evaluation (eval_every) cannot run on an FSDP model: FSDP gathers the weights in "
-                             "the training dtype", hint="drop eval_every, or evaluate the saved full state_dict in FP32")
         self.dist = ddp.setup(self.device.type, group=self.fsdp)
         if self.device.type == "cuda" and self.dist.enabled:
             self.device = torch.device("cuda", self.dist.local_rank)
@@ -156,7 +138,7 @@ class Trainer(TrainerState):
         self._preflight = preflight and (self.fsdp or self.dist.enabled)
         units = fsdp_lib.block_units(model, fsdp_wrap) if self.fsdp else []
         if self._preflight:
-            self._check(structure_checks(model, dtype=self.dtype, world_size=self.dist.world_size, fsdp=self.fsdp,
+            enforce(self.preflight, self.dist, structure_checks(model, dtype=self.dtype, world_size=self.dist.world_size, fsdp=self.fsdp,
                                          groups=fsdp_lib.unit_params(model, units), opt_level=self.opt_level))
         if self.opt_level == "O2" and not self.fsdp:
             if self.dtype == torch.float32:
@@ -187,7 +169,7 @@ class Trainer(TrainerState):
         params = [p for _, p in self._named]
         if not params:
             raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
-        self.optimizer = self._build_optimizer(optimizer, params, lr)
+        self.optimizer = build_optimizer(optimizer, params, lr, masters=self.masters is not None)
         # Scaled before the scheduler is built, so its base LRs are the scaled ones (ampaudit.train.lr).
         self._lr_policy = LRPolicy.build(self.optimizer, as_factory(train_data), micro_batch=micro_batch,
                                          warmup_steps=warmup_steps, scale=scale_lr, base_batch=base_batch,
@@ -196,7 +178,7 @@ class Trainer(TrainerState):
             self._meta.setdefault("lr_policy", self._lr_policy.describe())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         if self._preflight:
-            self._check(resource_checks(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+            enforce(self.preflight, self.dist, resource_checks(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                                         world_size=self.dist.world_size, accum=accum, fsdp=self.fsdp, units=[m for _, m in units],
                                         opt_level=self.opt_level, optimizer=self.optimizer, device=self.device))
         self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else scaler_for(
@@ -209,15 +191,8 @@ class Trainer(TrainerState):
         self._skips = SkipLog()
         self._saved_step: int | None = None
         self._signals = StopSignals(handle_signals)
-        if divergence_every is not None and self.dist.world_size > 1 and any(
-                isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
-            # Rank 0 alone runs the FP32 shadow; a SyncBatchNorm in it would wait for the other ranks forever.
-            raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
-                             hint="drop divergence_every, or check divergence in a single-process run")
-        if fp8_fallback and (trace is None or self.dist.world_size > 1):
-            # Rank 0's trace hooks see the flushing; a layer swapped on one rank alone would split the ranks.
-            raise UsageError("fp8_fallback needs a trace and a single process",
-                             hint="pass trace=..., or drop fp8_fallback under torchrun")
+        check_distributed(model, self.dist, divergence_every=divergence_every, fp8_fallback=fp8_fallback,
+                          tracing=self._tracing)
         # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
         # no trace the session watches nothing (memory=False: no in-memory events either).
         # Replays rerun one pass on rank 0 alone: a sharded forward would wait for the other ranks, and under
@@ -237,37 +212,6 @@ class Trainer(TrainerState):
         # Autocast beside FP32 on eval_data() every eval_every steps (ampaudit.train.evaluate); rank 0 evaluates.
         self.evaluator = None if eval_every is None else Evaluator(
             eval_data, loss_fn, every=eval_every, metric_fn=metric_fn, dtype=self.dtype, device=self.device)
-
-    # -- construction helpers ----------------------------------------------------------------------------------
-    def _check(self, checks: list[Check]) -> None:
-        """Keep the preflight lines; every rank stops when any rank's check failed (memory differs per host)."""
-        self.preflight += checks
-        mine = failed(checks)
-        _, anywhere = ddp.mean_and_any([], bool(mine), self.dist)
-        if anywhere:
-            first = mine[0] if mine else Check("preflight", "fail", "a check failed on another rank")
-            raise TrainError(f"preflight: {first.name}: {first.message}",
-                             hint=f"{first.hint + '; ' if first.hint else ''}preflight_only() in "
-                                  "ampaudit.train.preflight lists every check")
-
-    def _build_optimizer(self, optimizer: Any, params: list[torch.Tensor], lr: float | None
-                         ) -> torch.optim.Optimizer:
-        if optimizer is None:
-            opt = torch.optim.AdamW(params, lr=1e-3 if lr is None else lr)
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            if self.masters is not None:
-                raise UsageError("opt level O2 builds the optimizer over FP32 master weights",
-                                 hint="pass a factory, e.g. optimizer=lambda params: torch.optim.AdamW(params)")
-            opt = optimizer
-        else:
-            opt = optimizer(params)
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TrainError(f"make_optimizer(params) returned {type(opt).__name__}, not a torch optimizer",
-                                 hint="return e.g. torch.optim.AdamW(params, lr=1e-3)")
-        if lr is not None:
-            for group in opt.param_groups:
-                group["lr"] = lr
-        return opt
 
     def close(self, *, sync: bool = True) -> None:
         """End the run's distributed state: wait for every rank (``sync``: skip it when this rank failed
