@@ -51,11 +51,19 @@ def is_library_file(path: str | Path) -> bool:
     return any(p.is_relative_to(r) for r in roots)
 
 
-def wanted(f: Finding, params: dict) -> bool:
-    """The findings fix acts on: warnings and errors, and the info findings a rule's source_fix opts in."""
+def wanted(f: Finding, params: dict, named: frozenset[str] | set[str] = frozenset()) -> bool:
+    """The findings fix acts on: warnings and errors, and the info findings of a rule whose source_fix opts in
+    (``info = true``) or that ``named`` holds (see :func:`named_rules`)."""
     if f.location is None:
         return False
-    return SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] or bool(params.get("info"))
+    return SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] or bool(params.get("info")) or f.rule in named
+
+
+def named_rules(rules, select) -> frozenset[str]:
+    """Ids of the rules ``select`` names by id or name (not by prefix or family): asking for a rule itself asks
+    for its info findings too (``fix --select AMP201 --diff`` edits the softmaxes a plain fix leaves alone)."""
+    asked = {s.strip() for s in select or () if s and s.strip()}
+    return frozenset(r.id for r in rules if r.id in asked or r.name in asked)
 
 
 def source_fix_of(rule) -> dict:
@@ -75,11 +83,12 @@ def check_kinds(rules) -> None:
 def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict | None = None,
                texts: dict[str, str] | None = None, unsafe: bool = False,
                canon: Callable[[str], str] = lambda p: p, inputs: dict | None = None,
-               only: Callable[[Finding], bool] | None = None) -> Plan:
+               only: Callable[[Finding], bool] | None = None, named: frozenset[str] = frozenset()) -> Plan:
     """Edits for the findings of ``aud`` (an ampaudit.api.Audit of ``model``).
 
     ``texts`` starts files from given sources (a second round starts from the first's); ``canon`` maps a path
-    the audit reports (a verification copy) to the user's file; ``only`` limits the findings considered.
+    the audit reports (a verification copy) to the user's file; ``only`` limits the findings considered;
+    ``named`` are the rules whose info findings are fixed too (:func:`named_rules`).
     """
     fixers = load_builtin_fixers()
     check_kinds(rules)
@@ -98,7 +107,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
             current[path] = Source.parse(text)
         return current[path]
 
-    findings = [f for f in aud.report.findings if wanted(f, source_fix_of(by_id.get(f.rule)))
+    findings = [f for f in aud.report.findings if wanted(f, source_fix_of(by_id.get(f.rule)), named)
                 and (only is None or only(f))]
     files = {canon(str(Path(f.location["file"]).resolve())) for f in findings}
     allowed = {p for p in files if not is_library_file(p)}
