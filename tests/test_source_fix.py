@@ -193,6 +193,26 @@ def test_diff_keeps_comments_and_formatting(tmp_path):
     assert sum(ln.startswith("-") for ln in body) == 1 and sum(ln.startswith("+") for ln in body) == 1
 
 
+def test_ignore_comment_is_read_one_way_by_check_and_fix():
+    from ampaudit.rules.engine import ignores
+
+    assert ignores("x = 1  # ampaudit: ignore") and ignores("x  #AmpAudit:ignore", "AMP401")
+    assert ignores("x  # ampaudit: ignore[AMP101, constant-overflows-dtype]", "AMP401", "constant-overflows-dtype")
+    assert not ignores("x  # ampaudit: ignore[AMP101]", "AMP401", "constant-overflows-dtype")
+    assert not ignores("x  # ampaudit ignores nothing here", "AMP401")
+
+
+@pytest.mark.parametrize("comment, edited", [("ignore[AMP101]", True), ("ignore[constant-overflows-dtype]", False),
+                                             ("ignore", False)])
+def test_fix_leaves_a_line_only_when_its_comment_ignores_the_rule(tmp_path, comment, edited):
+    # On the line the finding and the edit are on: a comment that ignores another rule does not stop the edit.
+    path = tmp_path / "odd.py"
+    path.write_text(ODD.replace("s = s.masked_fill(  ~mask,", f"s = s.masked_fill(  ~mask,  # ampaudit: {comment}"))
+    result = fix_source(str(path), device="cuda", dtype="float16", select=["AMP401"])
+    assert bool(result.changed) == edited, result.to_text()
+    assert [e.line for e in result.plan.edits] == ([14] if edited else [])
+
+
 def test_cli_diff_write_and_exit_codes(tmp_path):
     from typer.testing import CliRunner
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ampaudit.errors import RuleError
 from ampaudit.findings import SEVERITY_RANK, Finding
+from ampaudit.rules.engine import ignores
 from ampaudit.sourcefix.cst_tools import Source
 from ampaudit.sourcefix.registry import Edit, FixContext, Refusal, load_builtin_fixers
 
@@ -93,6 +94,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
     fixers = load_builtin_fixers()
     check_kinds(rules)
     by_id = {r.id: r for r in rules}
+    rule_names = {r.id: r.name for r in rules}
     plan = Plan()
     current: dict[str, Source] = {}
     start = dict(texts or {})
@@ -167,7 +169,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
                 blocks.append((ctx, edit))
                 if edit.kind != MODULE_KIND:
                     static_modules.update(_same_code(model, f.module))
-            elif _apply(plan, current, edit, unsafe, canon):
+            elif _apply(plan, current, edit, unsafe, canon, rule_names):
                 static_modules.update(_same_code(model, f.module))
     # Block edits change line numbers below them: recompute each on the current parse, last line first.
     for ctx, first in sorted(blocks, key=lambda b: (b[1].file, -b[1].line)):
@@ -178,7 +180,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
             continue
         for edit in out:
             edit.covers = first.covers
-            if _apply(plan, current, edit, unsafe, canon) and edit.kind != MODULE_KIND:
+            if _apply(plan, current, edit, unsafe, canon, rule_names) and edit.kind != MODULE_KIND:
                 static_modules.update(_same_code(model, ctx.finding.module))
     plan.texts = {p: s.text for p, s in current.items()}
     return plan
@@ -209,13 +211,15 @@ def _module(model: nn.Module, path: str):
         return None
 
 
-def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, canon=lambda p: p) -> bool:
+def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, canon=lambda p: p,
+           names: dict[str, str] | None = None) -> bool:
+    names = names or {}
     edit.file = canon(str(Path(edit.file).resolve()))
     if edit.safety == "unsafe" and not unsafe:
         plan.skipped_unsafe.append(edit)
         return False
     src = current[edit.file]
-    if _touches_ignored(src, edit):
+    if _touches_ignored(src, edit, (edit.rule, names.get(edit.rule, edit.rule))):
         plan.refusals.append(Refusal(edit.rule, edit.file, edit.line, edit.module,
                                      "the line says # ampaudit: ignore", "nothing: the line asks to be left alone"))
         return False
@@ -224,16 +228,15 @@ def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, can
     return True
 
 
-def _touches_ignored(src: Source, edit: Edit) -> bool:
-    from ampaudit.rules.engine import _IGNORE_RE
-
+def _touches_ignored(src: Source, edit: Edit, names: tuple[str, ...]) -> bool:
+    """True when a line the edit changes says ``# ampaudit: ignore``, bare or naming the edit's rule (``names``:
+    its id and name)."""
     lines = src.text.splitlines()
     for node in edit.mapping:
         a, b = src.span(node)
         if edit.phase == "block":   # a block edit keeps the statements it wraps; its own first line is what it adds
             b = a
-        if any(_IGNORE_RE.search(lines[i - 1]) and "ignore" in lines[i - 1] for i in range(a, b + 1)
-               if 0 < i <= len(lines)):
+        if any(ignores(lines[i - 1], *names) for i in range(a, b + 1) if 0 < i <= len(lines)):
             return True
     return False
 
