@@ -5,7 +5,7 @@
     pages = render_pages(load_rules(), load_examples(EXAMPLES))   # {"AMP101.md": "...", "README.md": "..."}
 
 Each page has the fixed headings What it checks / Why it matters / Example / Fix. The rule file gives the name,
-family, severity, message, why, fix and references; ``docs/rules/_examples.toml`` gives, per rule id, one sentence
+family, severity, message, why, fix, references and the source fix (whose fixer's docstring says what it writes); ``docs/rules/_examples.toml`` gives, per rule id, one sentence
 of what the rule checks, an example that fires and the same code fixed (kept beside the pages, since the rule
 schema is for the engine). A rule without an example entry, or an entry without a rule, is an error.
 """
@@ -68,6 +68,36 @@ def _severity(rule: Rule) -> str:
     return rule.severity
 
 
+def _has_infos(rule: Rule) -> bool:
+    return (rule.severity == "info" or rule.param("upcast_severity") == "info"
+            or any(v.get("severity") == "info" for v in rule.param("variants", {}).values()))
+
+
+def _source_fix(rule: Rule) -> str:
+    """What ``fix --diff/--write`` does with the rule's findings: the source fixer's kind and safety (the rule's
+    ``source_fix``), what that fixer writes (its docstring), and when its info findings are edited."""
+    import inspect
+
+    from ampaudit.sourcefix.registry import load_builtin_fixers
+
+    sf = rule.param("source_fix", {"kind": "none"})
+    kind = sf.get("kind", "none")
+    head = "`ampaudit fix --diff` / `--write`: "
+    if kind == "none":
+        return head + "reported, not edited."
+    safety = sf.get("safety")
+    text = head + f"**{kind}** ({safety}: " + ("FP32 results unchanged" if safety == "safe" else
+                                              "FP32 results may change; applied with `--unsafe-fixes`") + ")."
+    fixer = load_builtin_fixers().get(kind)
+    if fixer is not None and inspect.getdoc(fixer.fn):
+        text += " " + _paragraph(inspect.getdoc(fixer.fn)).replace("``", "`")
+    if sf.get("info"):
+        text += " Its info findings are edited too."
+    elif _has_infos(rule):
+        text += f" Its info findings are edited only when the rule is named: `--select {rule.id}`."
+    return text
+
+
 def render_rule(rule: Rule, example: dict[str, str]) -> str:
     """The markdown page of one rule."""
     lines = [HEADER.format(origin=f"rules/{rule.origin}"), "", f"# {rule.id} `{rule.name}`", "",
@@ -94,7 +124,7 @@ def render_rule(rule: Rule, example: dict[str, str]) -> str:
     lines += [f"`ampaudit fix`: " + (f"**{kind}** ({rule.autofix.get('safety')}: "
               + ("FP32 results unchanged" if rule.autofix.get("safety") == "safe" else "FP32 results may change")
               + ")" if kind != "none" else "reported, not rewritten") + ".", ""]
-    lines += [_code(example["fixed"]), "",
+    lines += [_code(example["fixed"]), "", _source_fix(rule), "",
               f"Silence one occurrence with `# ampaudit: ignore[{rule.id}]` on its source line, or the rule with "
               f"`--ignore {rule.id}`.", ""]
     if rule.references:

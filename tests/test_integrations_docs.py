@@ -31,6 +31,20 @@ def test_regenerating_into_a_temp_dir_gives_the_committed_files(tmp_path, pages)
         assert (tmp_path / name).read_text() == (DOCS_DIR / name).read_text(), name
 
 
+def test_every_page_shows_the_rules_source_fix(pages):
+    """fix --diff/--write's kind and safety, from the rule's source_fix, in its Fix section."""
+    for rule in load_rules():
+        sf = rule.params.get("source_fix", {"kind": "none"})
+        fix = pages[f"{rule.id}.md"].split("## Fix", 1)[1]
+        line = next(ln for ln in fix.splitlines() if ln.startswith("`ampaudit fix --diff` / `--write`: "))
+        if sf["kind"] == "none":
+            assert line.endswith("reported, not edited."), rule.id
+        else:
+            assert f"**{sf['kind']}** ({sf['safety']}: " in line, rule.id
+    assert "edited only when the rule is named: `--select AMP201`" in pages["AMP201.md"]
+    assert "Its info findings are edited too." in pages["AMP103.md"]
+
+
 def test_every_rule_has_a_page_with_the_fixed_headings(pages):
     rules = load_rules()
     for rule in rules:

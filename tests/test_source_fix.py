@@ -12,10 +12,15 @@ import torch
 from ampaudit.api import check
 from ampaudit.loading import load_target
 from ampaudit.sourcefix import fix_source
-from ampaudit.sourcefix.driver import wanted
+from ampaudit.rules.loader import load_rules
+from ampaudit.sourcefix.driver import source_fix_of, wanted
 
 HERE = Path(__file__).parent
-FIXTURES = sorted(p.name for p in (HERE / "source_fix").iterdir() if (p / "before.py").exists())
+# tests/source_fix/<rule>/before.py with after.py: what fix writes; without after.py (FIX["refused"]): a rule
+# whose fixer refuses by design, and what it names instead.
+FIXTURES = sorted(p.name for p in (HERE / "source_fix").iterdir() if (p / "after.py").exists())
+REFUSED = sorted(p.name for p in (HERE / "source_fix").iterdir()
+                 if (p / "before.py").exists() and not (p / "after.py").exists())
 SHARED = HERE.parent.parent / "shared" / "planted"
 
 
@@ -60,7 +65,8 @@ def test_fixture_before_becomes_after(rule, tmp_path):
     loaded = load_target(str(after))
     report = check(loaded.model, *loaded.args, device=s["device"], dtype=s["dtype"], select=[rule],
                    calibrate=s["calibrate"], loss_fn=loaded.hook("loss_fn"), **loaded.kwargs)
-    assert not [f for f in report.findings if f.rule == rule and wanted(f, {"info": rule == "AMP103"})], \
+    # (info findings too: select names the rule, so fix acted on its infos)
+    assert not [f for f in report.findings if f.rule == rule and wanted(f, {}, {rule})], \
         [f.message for f in report.findings]
     # ...computes the same FP32 result (bitwise for safe fixes), and fixing it again changes nothing.
     ref, state = _fp32_out(before)
@@ -68,6 +74,40 @@ def test_fixture_before_becomes_after(rule, tmp_path):
         out, _ = _fp32_out(after, state)
         assert all(torch.equal(a, b) for a, b in zip(_flat(out), _flat(ref)))
     assert not _run(after, s, select=[rule]).changed
+
+
+def test_every_rule_with_a_source_fix_has_a_fixture():
+    fixable = {r.id for r in load_rules() if source_fix_of(r)["kind"] != "none"}
+    assert fixable, "no rule has a source_fix"
+    missing = sorted(fixable - set(FIXTURES) - set(REFUSED))
+    assert not missing, f"no tests/source_fix/<rule>/before.py + after.py for {missing}"
+    for rule in REFUSED:
+        assert _fix_settings(HERE / "source_fix" / rule / "before.py").get("refused"), \
+            f"tests/source_fix/{rule} has no after.py and its FIX does not say refused"
+
+
+@pytest.mark.parametrize("rule", REFUSED)
+def test_refused_fixture_is_left_alone_and_names_what_fixes_it(rule):
+    before = HERE / "source_fix" / rule / "before.py"
+    s = _fix_settings(before)
+    result = _run(before, s, select=[rule])
+    assert not result.changed and not result.plan.edits, result.to_text()
+    loaded = load_target(str(before))
+    report = check(loaded.model, *loaded.args, device=s["device"], dtype=s["dtype"], select=[rule],
+                   calibrate=s["calibrate"], **loaded.kwargs)
+    found = {(f.module, f.location["line"]) for f in report.findings if f.rule == rule and wanted(f, {}, {rule})}
+    refused = {(r.module, r.line) for r in result.plan.refusals if r.rule == rule}
+    assert found and refused == found, (found, result.to_text())
+    assert all(s["refused"] in r.instead for r in result.plan.refusals), result.to_text()
+
+
+def test_info_findings_are_fixed_only_for_a_rule_named_by_id_or_name():
+    before = HERE / "source_fix" / "AMP201" / "before.py"
+    s = _fix_settings(before)
+    assert not _run(before, s, select=["sensitive-op"]).changed       # a family: warnings and errors only
+    assert not _run(before, s, select=["AMP2"]).changed               # a prefix: the same
+    named = _run(before, s, select=["softmax-reduced-precision"])
+    assert named.changed[str(before.resolve())] == (before.parent / "after.py").read_text()
 
 
 def _copies(tmp_path: Path) -> list[Path]:
@@ -151,6 +191,26 @@ def test_diff_keeps_comments_and_formatting(tmp_path):
     body = diff.splitlines()[2:]
     assert diff.startswith("--- a/odd.py\n+++ b/odd.py\n")
     assert sum(ln.startswith("-") for ln in body) == 1 and sum(ln.startswith("+") for ln in body) == 1
+
+
+def test_ignore_comment_is_read_one_way_by_check_and_fix():
+    from ampaudit.rules.engine import ignores
+
+    assert ignores("x = 1  # ampaudit: ignore") and ignores("x  #AmpAudit:ignore", "AMP401")
+    assert ignores("x  # ampaudit: ignore[AMP101, constant-overflows-dtype]", "AMP401", "constant-overflows-dtype")
+    assert not ignores("x  # ampaudit: ignore[AMP101]", "AMP401", "constant-overflows-dtype")
+    assert not ignores("x  # ampaudit ignores nothing here", "AMP401")
+
+
+@pytest.mark.parametrize("comment, edited", [("ignore[AMP101]", True), ("ignore[constant-overflows-dtype]", False),
+                                             ("ignore", False)])
+def test_fix_leaves_a_line_only_when_its_comment_ignores_the_rule(tmp_path, comment, edited):
+    # On the line the finding and the edit are on: a comment that ignores another rule does not stop the edit.
+    path = tmp_path / "odd.py"
+    path.write_text(ODD.replace("s = s.masked_fill(  ~mask,", f"s = s.masked_fill(  ~mask,  # ampaudit: {comment}"))
+    result = fix_source(str(path), device="cuda", dtype="float16", select=["AMP401"])
+    assert bool(result.changed) == edited, result.to_text()
+    assert [e.line for e in result.plan.edits] == ([14] if edited else [])
 
 
 def test_cli_diff_write_and_exit_codes(tmp_path):

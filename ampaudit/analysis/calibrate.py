@@ -3,24 +3,31 @@
     cal = calibrate(model, [(args, kwargs), ...], Policy.load("cuda", "float16"))
     cal.nonfinite     # first inf/NaN origins (module, op, source), in execution order; a raising forward too
     cal.modules       # per module: divergence from FP32 (global and local), absmax, headroom, underflow
+    cal.out_dtypes    # per module: the dtype its output really has under the target's autocast
     cal.buffers       # running statistics beyond the dtype's range
 
 There is no GPU here, so every run is on CPU. A CPU target runs under CPU autocast as it is. A CUDA target is
 simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
 in fp32 (softmax, exp, pow, sum, norm, layer_norm, ...) run in fp32 however the model reaches them, so the numbers
 follow CUDA's policy table.
+
+A module's range (overflow, headroom, underflow) is judged against the dtype its output is really stored in under
+the target's autocast, recorded in the autocast run: a module that leaves autocast (an fp32 island, an op the
+policy keeps in fp32) returns fp32 values, which lose nothing to the low dtype's range.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from ampaudit.policy import Policy
-from ampaudit.runtime.locate import float_tensors
+from ampaudit.runtime.locate import float_tensors, module_names
 from ampaudit.simulate import simulation
+from ampaudit.wrappers import unwrap
 
 
 @dataclass
@@ -33,6 +40,7 @@ class Calibration:
     modules: dict[str, dict] = field(default_factory=dict)
     buffers: list[dict] = field(default_factory=list)
     order: list[str] = field(default_factory=list)   # modules in execution order
+    out_dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # narrowest floating output, under autocast
 
 
 def _merge(into: dict, row: dict) -> None:
@@ -65,7 +73,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             args, kwargs = batch[0], batch[1]
             loss = batch_loss(loss_fn, batch[2] if len(batch) > 2 else None)
             cal.batches += 1
-            with simulation(policy):
+            with simulation(policy), output_dtypes(model, into=cal.out_dtypes):
                 events = locate_nonfinite(model, args, kwargs, device_type="cpu", dtype=policy.low, loss=loss)
             # A precision fault is non-finite under autocast and finite in FP32, whatever dtype the op ran in.
             events = judge_against_fp32(model, events, tuple(args), dict(kwargs), loss=loss)
@@ -88,6 +96,9 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
                 _merge(cal.modules[name], row)
     finally:
         model.train(model_was_training)
+    for name, row in cal.modules.items():
+        judge_range(row, cal.out_dtypes.get(name), policy.low)
+    # Buffers are judged against the low dtype: the message is about the model cast to it (model.half()).
     limit = torch.finfo(policy.low).max
     for name, buf in model.named_buffers():
         if buf.is_floating_point() and not buf.is_meta and buf.numel():
@@ -98,6 +109,60 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             if value > limit:
                 cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
+
+
+_HOLDS_FP32 = (torch.float32, torch.float64)
+
+
+def _narrower(a: torch.dtype, b: torch.dtype) -> bool:
+    fa, fb = torch.finfo(a), torch.finfo(b)
+    return (fa.bits, fa.max) < (fb.bits, fb.max)
+
+
+@contextlib.contextmanager
+def output_dtypes(model: nn.Module, *, into: dict[str, torch.dtype]) -> Iterator[dict[str, torch.dtype]]:
+    """While active, record in ``into`` the narrowest floating dtype each module of ``model`` returns (names as
+    :func:`~ampaudit.runtime.locate.module_names` gives them; a module called twice keeps the narrower)::
+
+        with torch.autocast("cpu", dtype=torch.float16), output_dtypes(model, into=seen):
+            model(x)
+        seen["attn"]      # torch.float32 when attn runs with autocast off
+    """
+    from torch.nn.modules.module import register_module_forward_hook
+
+    names = module_names(unwrap(model))
+
+    def record(mod: nn.Module, args: Any, out: Any) -> None:
+        name = names.get(mod)
+        if name is None:
+            return
+        for t in float_tensors(out):
+            prev = into.get(name)
+            if prev is None or _narrower(t.dtype, prev):
+                into[name] = t.dtype
+
+    handle = register_module_forward_hook(record)
+    try:
+        yield into
+    finally:
+        handle.remove()
+
+
+def judge_range(row: dict, stored: torch.dtype | None, low: torch.dtype) -> dict:
+    """Judge a module's measured range ``row`` (overflow, headroom_bits, underflow and flush shares of its FP32
+    output, measured against ``low``) against ``stored``, the dtype its output has under autocast; sets
+    ``row["range_dtype"]``. An output stored in fp32 (or wider) holds every FP32 value: no overflow, no
+    underflow, headroom up to fp32's max. Another dtype (or unknown: the module did not run under autocast)
+    keeps the judgement against ``low``."""
+    if stored in _HOLDS_FP32 and "absmax" in row:
+        a = row["absmax"]
+        row.update(overflow=0, underflow_share=0.0, flush_share=0.0,
+                   headroom_bits=(math.log2(torch.finfo(stored).max / a) if 0 < a < math.inf
+                                  else (math.inf if a == 0 else -math.inf)))
+        row["range_dtype"] = str(stored).replace("torch.", "")
+    else:
+        row["range_dtype"] = str(low).replace("torch.", "")
+    return row
 
 
 def batch_loss(loss_fn, target) -> Callable[[Any], torch.Tensor]:

@@ -22,7 +22,7 @@ def fix(
     input: Annotated[Optional[list[str]], typer.Option("--input", help="Input shape per forward argument, e.g. 8x3x224x224 or 8x128:int64 (instead of example_inputs).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Target device whose autocast policy applies: cuda or cpu [default: cuda].")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Reduced precision: float16, bfloat16 or float8 [default: float16].")] = None,
-    select: Annotated[Optional[list[str]], typer.Option(help="Only fix findings of these rules: ids, prefixes, names or families.")] = None,
+    select: Annotated[Optional[list[str]], typer.Option(help="Only fix findings of these rules: ids, prefixes, names or families; with --diff/--write a rule named by id or name has its info findings fixed too.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Leave findings of these rules alone (same forms as --select).")] = None,
     pad: Annotated[bool, typer.Option("--pad", help="Also pad misaligned Linear/Embedding/Conv dims with zeros (outputs unchanged).")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the re-check and the before/after autocast comparison.")] = False,

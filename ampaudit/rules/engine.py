@@ -23,17 +23,23 @@ from ampaudit.rules.registry import MATCHERS, Hit, MatchContext
 _IGNORE_RE = re.compile(r"#\s*ampaudit:\s*ignore(?:\[([^\]]*)\])?", re.IGNORECASE)
 
 
-def suppressed_by_comment(file: str | None, line: int | None, rule: Rule) -> bool:
-    """True when the source line says ``# ampaudit: ignore`` (all rules) or names this rule's id or name."""
-    if not file or not line:
-        return False
-    m = _IGNORE_RE.search(linecache.getline(file, line))
+def ignores(text: str, *rules: str) -> bool:
+    """True when the source line ``text`` carries ``# ampaudit: ignore`` (every rule) or an
+    ``# ampaudit: ignore[AMP201,softmax-reduced-precision]`` that lists one of ``rules`` (ids or names). The one
+    reader of that syntax: check suppresses such findings, fix leaves such lines unedited."""
+    m = _IGNORE_RE.search(text)
     if not m:
         return False
     if m.group(1) is None:
         return True
-    wanted = {s.strip() for s in m.group(1).split(",")}
-    return rule.id in wanted or rule.name in wanted
+    return bool({s.strip() for s in m.group(1).split(",")} & set(rules))
+
+
+def suppressed_by_comment(file: str | None, line: int | None, rule: Rule) -> bool:
+    """True when the source line says ``# ampaudit: ignore`` (all rules) or names this rule's id or name."""
+    if not file or not line:
+        return False
+    return ignores(linecache.getline(file, line), rule.id, rule.name)
 
 
 def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ampaudit.findings import SEVERITY_RANK
-from ampaudit.sourcefix.driver import MODULE_KIND, Plan, plan_edits, source_fix_of, wanted
+from ampaudit.sourcefix.driver import MODULE_KIND, Plan, named_rules, plan_edits, source_fix_of, wanted
 from ampaudit.sourcefix.verify import Mirror, SourceVerification, load_mirror, verify_sources
 
 SOURCE_FIX_VERSION = "1.0"
@@ -119,7 +119,8 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
                dtype: str = "float16", select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
                rules_dirs: Sequence[str] = (), calibrate: bool = False, unsafe: bool = False,
                verify: bool = True) -> SourceFixResult:
-    """Plan, and unless ``verify=False`` verify, the source edits for ``target`` (a model file or pkg.mod:factory)."""
+    """Plan, and unless ``verify=False`` verify, the source edits for ``target`` (a model file or pkg.mod:factory).
+    Warnings and errors are fixed; info findings too for the rules ``select`` names by id or name."""
     from ampaudit.api import audit
     from ampaudit.loading import load_target
     from ampaudit.rules.loader import load_rules
@@ -135,7 +136,8 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
     aud = audit(loaded.model, *loaded.args, device=device, dtype=dtype, select=select, ignore=ignore,
                 rules_dirs=rules_dirs, target=target, capture_mode="auto", calibrate=calibrate,
                 loss_fn=loaded.hook("loss_fn") if calibrate else None, **loaded.kwargs)
-    plan = plan_edits(aud, loaded.model, rules, args=loaded.args, kwargs=loaded.kwargs, unsafe=unsafe)
+    named = named_rules(rules, select)
+    plan = plan_edits(aud, loaded.model, rules, args=loaded.args, kwargs=loaded.kwargs, unsafe=unsafe, named=named)
     result = SourceFixResult(target=target, policy=aud.policy.describe(), plan=plan)
     if not plan.changed or not verify:
         if plan.changed:
@@ -143,7 +145,7 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
         return result
 
     def is_wanted(f):
-        return wanted(f, source_fix_of(by_id.get(f.rule)))
+        return wanted(f, source_fix_of(by_id.get(f.rule)), named)
 
     def fixed_rules() -> set[str]:
         return {e.rule for e in plan.edits} | {f.rule for f in plan.deferred}
@@ -171,7 +173,7 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
                               rules_dirs=rules_dirs, target=target, capture_mode="auto", calibrate=True,
                               loss_fn=fixed.hook("loss_fn"), **loaded.kwargs)
                 second = plan_edits(aud2, fixed.model, rules, args=loaded.args, kwargs=loaded.kwargs,
-                                    texts=plan.changed, unsafe=unsafe, canon=mirror.canon,
+                                    texts=plan.changed, unsafe=unsafe, canon=mirror.canon, named=named,
                                     only=lambda f: (f.rule, f.module) in again and source_fix_of(
                                         by_id.get(f.rule)).get("kind") == MODULE_KIND)
                 _merge(plan, second)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ampaudit.errors import RuleError
 from ampaudit.findings import SEVERITY_RANK, Finding
+from ampaudit.rules.engine import ignores
 from ampaudit.sourcefix.cst_tools import Source
 from ampaudit.sourcefix.registry import Edit, FixContext, Refusal, load_builtin_fixers
 
@@ -51,11 +52,19 @@ def is_library_file(path: str | Path) -> bool:
     return any(p.is_relative_to(r) for r in roots)
 
 
-def wanted(f: Finding, params: dict) -> bool:
-    """The findings fix acts on: warnings and errors, and the info findings a rule's source_fix opts in."""
+def wanted(f: Finding, params: dict, named: frozenset[str] | set[str] = frozenset()) -> bool:
+    """The findings fix acts on: warnings and errors, and the info findings of a rule whose source_fix opts in
+    (``info = true``) or that ``named`` holds (see :func:`named_rules`)."""
     if f.location is None:
         return False
-    return SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] or bool(params.get("info"))
+    return SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] or bool(params.get("info")) or f.rule in named
+
+
+def named_rules(rules, select) -> frozenset[str]:
+    """Ids of the rules ``select`` names by id or name (not by prefix or family): asking for a rule itself asks
+    for its info findings too (``fix --select AMP201 --diff`` edits the softmaxes a plain fix leaves alone)."""
+    asked = {s.strip() for s in select or () if s and s.strip()}
+    return frozenset(r.id for r in rules if r.id in asked or r.name in asked)
 
 
 def source_fix_of(rule) -> dict:
@@ -75,15 +84,17 @@ def check_kinds(rules) -> None:
 def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict | None = None,
                texts: dict[str, str] | None = None, unsafe: bool = False,
                canon: Callable[[str], str] = lambda p: p, inputs: dict | None = None,
-               only: Callable[[Finding], bool] | None = None) -> Plan:
+               only: Callable[[Finding], bool] | None = None, named: frozenset[str] = frozenset()) -> Plan:
     """Edits for the findings of ``aud`` (an ampaudit.api.Audit of ``model``).
 
     ``texts`` starts files from given sources (a second round starts from the first's); ``canon`` maps a path
-    the audit reports (a verification copy) to the user's file; ``only`` limits the findings considered.
+    the audit reports (a verification copy) to the user's file; ``only`` limits the findings considered;
+    ``named`` are the rules whose info findings are fixed too (:func:`named_rules`).
     """
     fixers = load_builtin_fixers()
     check_kinds(rules)
     by_id = {r.id: r for r in rules}
+    rule_names = {r.id: r.name for r in rules}
     plan = Plan()
     current: dict[str, Source] = {}
     start = dict(texts or {})
@@ -98,7 +109,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
             current[path] = Source.parse(text)
         return current[path]
 
-    findings = [f for f in aud.report.findings if wanted(f, source_fix_of(by_id.get(f.rule)))
+    findings = [f for f in aud.report.findings if wanted(f, source_fix_of(by_id.get(f.rule)), named)
                 and (only is None or only(f))]
     files = {canon(str(Path(f.location["file"]).resolve())) for f in findings}
     allowed = {p for p in files if not is_library_file(p)}
@@ -158,7 +169,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
                 blocks.append((ctx, edit))
                 if edit.kind != MODULE_KIND:
                     static_modules.update(_same_code(model, f.module))
-            elif _apply(plan, current, edit, unsafe, canon):
+            elif _apply(plan, current, edit, unsafe, canon, rule_names):
                 static_modules.update(_same_code(model, f.module))
     # Block edits change line numbers below them: recompute each on the current parse, last line first.
     for ctx, first in sorted(blocks, key=lambda b: (b[1].file, -b[1].line)):
@@ -169,7 +180,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
             continue
         for edit in out:
             edit.covers = first.covers
-            if _apply(plan, current, edit, unsafe, canon) and edit.kind != MODULE_KIND:
+            if _apply(plan, current, edit, unsafe, canon, rule_names) and edit.kind != MODULE_KIND:
                 static_modules.update(_same_code(model, ctx.finding.module))
     plan.texts = {p: s.text for p, s in current.items()}
     return plan
@@ -200,13 +211,15 @@ def _module(model: nn.Module, path: str):
         return None
 
 
-def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, canon=lambda p: p) -> bool:
+def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, canon=lambda p: p,
+           names: dict[str, str] | None = None) -> bool:
+    names = names or {}
     edit.file = canon(str(Path(edit.file).resolve()))
     if edit.safety == "unsafe" and not unsafe:
         plan.skipped_unsafe.append(edit)
         return False
     src = current[edit.file]
-    if _touches_ignored(src, edit):
+    if _touches_ignored(src, edit, (edit.rule, names.get(edit.rule, edit.rule))):
         plan.refusals.append(Refusal(edit.rule, edit.file, edit.line, edit.module,
                                      "the line says # ampaudit: ignore", "nothing: the line asks to be left alone"))
         return False
@@ -215,16 +228,15 @@ def _apply(plan: Plan, current: dict[str, Source], edit: Edit, unsafe: bool, can
     return True
 
 
-def _touches_ignored(src: Source, edit: Edit) -> bool:
-    from ampaudit.rules.engine import _IGNORE_RE
-
+def _touches_ignored(src: Source, edit: Edit, names: tuple[str, ...]) -> bool:
+    """True when a line the edit changes says ``# ampaudit: ignore``, bare or naming the edit's rule (``names``:
+    its id and name)."""
     lines = src.text.splitlines()
     for node in edit.mapping:
         a, b = src.span(node)
         if edit.phase == "block":   # a block edit keeps the statements it wraps; its own first line is what it adds
             b = a
-        if any(_IGNORE_RE.search(lines[i - 1]) and "ignore" in lines[i - 1] for i in range(a, b + 1)
-               if 0 < i <= len(lines)):
+        if any(ignores(lines[i - 1], *names) for i in range(a, b + 1) if 0 < i <= len(lines)):
             return True
     return False
 

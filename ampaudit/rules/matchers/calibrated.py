@@ -1,5 +1,8 @@
 """Matchers over what ``check --calibrate`` measured (``ctx.calibration``); silent without calibration.
 
+A module's range is judged against the dtype its output is stored in under the target's autocast
+(:func:`ampaudit.analysis.calibrate.judge_range`): an fp32 island's output is not held to fp16's 65504.
+
 A module is reported for its *own* code: for divergence and range, a module whose descendants already cross the
 threshold is left out (they explain it); for non-finite values the locator already names the op that turned
 finite inputs into inf/NaN.
@@ -85,9 +88,14 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
     hits: list[tuple[int, Hit]] = []
     for i, (name, row) in enumerate(_range_rows(ctx)):
         if test(row) and _own(cal, name, lambda other: test(cal.modules[other])):
-            details = {"what": "output", "absmax": row.get("absmax", 0.0), "max": tmax,
+            # calibrate judged the row against the dtype the output is stored in under autocast (judge_range)
+            judged = row.get("range_dtype", dtype)
+            details = {"what": "output", "absmax": row.get("absmax", 0.0),
+                       "max": float(torch.finfo(getattr(torch, judged)).max),
                        "headroom": row.get("headroom_bits", 0.0), "share": row.get("underflow_share", 0.0),
                        "flush": row.get("flush_share", 0.0), "extra": ""}
+            if judged != dtype:
+                details["dtype"] = judged
             hits.append((i, Hit(None, details, module=name, op="output")))
     if check == "overflow":
         order = {name: i for i, name in enumerate(cal.order)}
