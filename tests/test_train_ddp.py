@@ -60,7 +60,7 @@ def test_two_rank_halt_stops_every_rank_with_exit_3(tmp_path):
 
 
 API_SCRIPT = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {assets!r})
 import train_mlp as mlp
 from ampaudit.train import Trainer
@@ -68,7 +68,9 @@ with Trainer(mlp.deterministic_model(), mlp.loss_fn, mlp.train_data, optimizer=m
              dtype="float16", accum=2, handle_signals=False) as t:
     result = t.fit(steps=2)
     world = t.dist.world_size
-print("rank", dist.get_rank() if dist.is_initialized() else "left", "world", world, "steps", result.steps)
+with open({out!r} + os.environ["RANK"], "w") as fh:   # one file per rank: stdout lines would interleave
+    print("rank", dist.get_rank() if dist.is_initialized() else "left", "world", world, "steps", result.steps,
+          file=fh)
 """
 
 
@@ -77,7 +79,7 @@ def test_api_users_under_torchrun_need_only_the_with_block(tmp_path):
     # The trainer joins the group, wraps in DDP, and on leaving the block waits for every rank and leaves the
     # group it joined: no barrier or teardown for the script to copy, no hang, no abort.
     script = tmp_path / "train_api.py"
-    script.write_text(API_SCRIPT.format(assets=str(ASSETS)))
+    script.write_text(API_SCRIPT.format(assets=str(ASSETS), out=str(tmp_path / "rank")))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for _attempt in range(2):
@@ -86,4 +88,5 @@ def test_api_users_under_torchrun_need_only_the_with_block(tmp_path):
         if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
             break
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
-    assert done.stdout.count("rank left world 2 steps 2") == 2, done.stdout
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text().strip() == "rank left world 2 steps 2"
