@@ -1,7 +1,9 @@
-"""Shared fixtures: paths to the planted models and to CLI assets, and a loader for model files."""
+"""Shared fixtures: paths to the planted models and to CLI assets, a loader for model files, and torchrun."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +46,39 @@ def planted():
         return load_module(PLANTED / f"{name}.py")
 
     return get
+
+
+# torchrun's --standalone picks a free port; on a busy shared machine another process can take it first.
+PORT_TROUBLE = ("EADDRINUSE", "Address already in use", "RendezvousConnectionError", "RendezvousTimeoutError")
+
+
+def worker_env() -> dict:
+    """The environment of torchrun workers: one thread each (reductions in a fixed order), this checkout."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def torchrun_cmd(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc-per-node N args...`` (a script or ``-m module``), retried once when
+    the rendezvous port was taken."""
+    for _attempt in range(2):
+        done = subprocess.run(torchrun_cmd(*args, nproc=nproc), env=worker_env(), capture_output=True, text=True,
+                              timeout=timeout, check=False)
+        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
+            break
+    return done
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread in this process, as the torchrun workers have: in-process runs compared with theirs
+    reduce in the same order."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

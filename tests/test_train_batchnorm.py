@@ -1,14 +1,11 @@
 """BatchNorm with small per-rank micro-batches: SyncBatchNorm under two gloo ranks (--sync-bn) normalizes over both
 ranks' samples, the start-of-training warning names the layers, and check --batch reports AMP304."""
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ASSETS, ROOT, load_module
+from conftest import ASSETS, load_module, torchrun
 from typer.testing import CliRunner
 
 import ampaudit
@@ -21,7 +18,6 @@ from ampaudit.train.batchnorm import (CpuSyncBatchNorm, SmallBatchWarning, batch
                                       small_batch_warning)
 
 BN = ASSETS / "train_bn.py"
-PORT_TROUBLE = ("EADDRINUSE", "Address already in use", "RendezvousConnectionError", "RendezvousTimeoutError")
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +70,11 @@ def test_cli_warning_is_one_line_on_stderr(tmp_path):
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_sync_batchnorm_under_two_gloo_ranks_trains_like_one_process_with_both_batches(bn, tmp_path):
     final, trace = tmp_path / "ddp.pt", tmp_path / "ddp.jsonl"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     # A fixed loss scale: a dynamic one overflows at 2**16 on a step where rounding decides, and one skipped step
     # more or less would hide what is compared. The trace makes rank 0's watch replay a pass alone, which a
     # synchronized BatchNorm must run with local statistics (no collective the other rank would never join).
-    args = ["-m", "ampaudit", "train", str(BN), "--steps", "6", "--dtype", "float16", "--loss-scale", "1024",
-            "--sync-bn", "--save", str(final), "--trace", str(trace)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for _attempt in range(2):
-        done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=180, check=False)
-        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
-            break
+    done = torchrun("-m", "ampaudit", "train", str(BN), "--steps", "6", "--dtype", "float16", "--loss-scale",
+                    "1024", "--sync-bn", "--save", str(final), "--trace", str(trace))
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     assert "trained 6 steps" in done.stdout and "warning: BatchNorm" not in done.stderr   # synced: no warning
 

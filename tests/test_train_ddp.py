@@ -1,31 +1,20 @@
 """Two-process gloo DDP with accumulation equals one process with the same global batch."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ASSETS, ROOT, load_module
+from conftest import ASSETS, load_module, torchrun
 
 from ampaudit.runtime.trace import read_trace
 from ampaudit.train import Trainer
 
 MLP = ASSETS / "train_mlp.py"
-PORT_TROUBLE = ("EADDRINUSE", "Address already in use", "RendezvousConnectionError", "RendezvousTimeoutError")
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_two_rank_ddp_equals_one_process_with_the_global_batch(tmp_path):
     final, trace = tmp_path / "ddp.pt", tmp_path / "ddp.jsonl"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    args = ["-m", "ampaudit", "train", str(MLP), "--entry", "deterministic_model", "--steps", "3", "--accum", "2",
-            "--dtype", "float16", "--clip-norm", "1.0", "--save", str(final), "--trace", str(trace)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for _attempt in range(2):
-        done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=180, check=False)
-        # --standalone picks a free port; on a busy shared machine another process can take it first
-        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
-            break
+    done = torchrun("-m", "ampaudit", "train", str(MLP), "--entry", "deterministic_model", "--steps", "3",
+                    "--accum", "2", "--dtype", "float16", "--clip-norm", "1.0", "--save", str(final),
+                    "--trace", str(trace))
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     assert done.stdout.count("trained 3 steps") == 1, done.stdout   # rank 0 alone prints
     events, problems = read_trace(trace)
@@ -46,11 +35,8 @@ def test_two_rank_ddp_equals_one_process_with_the_global_batch(tmp_path):
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_two_rank_halt_stops_every_rank_with_exit_3(tmp_path):
     ckpt = tmp_path / "ckpt"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    args = ["-m", "ampaudit", "train", str(ASSETS / "train_overflow.py"), "--steps", "50",
-            "--max-consecutive-skips", "3", "--checkpoint", str(ckpt)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=180, check=False)
+    done = torchrun("-m", "ampaudit", "train", str(ASSETS / "train_overflow.py"), "--steps", "50",
+                    "--max-consecutive-skips", "3", "--checkpoint", str(ckpt))
     # torchrun itself exits 1 when a worker fails; the workers' own codes are in its report
     assert done.returncode != 0
     assert "exitcode  : 3" in done.stderr and "SIGABRT" not in done.stderr, done.stderr[-3000:]
@@ -80,13 +66,7 @@ def test_api_users_under_torchrun_need_only_the_with_block(tmp_path):
     # group it joined: no barrier or teardown for the script to copy, no hang, no abort.
     script = tmp_path / "train_api.py"
     script.write_text(API_SCRIPT.format(assets=str(ASSETS), out=str(tmp_path / "rank")))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for _attempt in range(2):
-        done = subprocess.run(torchrun + [str(script)], env=env, capture_output=True, text=True, timeout=180,
-                              check=False)
-        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TROUBLE):
-            break
+    done = torchrun(str(script))
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text().strip() == "rank left world 2 steps 2"

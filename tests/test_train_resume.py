@@ -23,15 +23,6 @@ def mlp():
     return load_module(MLP)
 
 
-@pytest.fixture
-def one_thread():
-    # The subprocesses run with one thread; match it so reductions run in the same order.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _trainer(mlp, **kwargs):
     return Trainer(mlp.build_model(), mlp.loss_fn, mlp.train_data, optimizer=mlp.make_optimizer,
                    scheduler=mlp.make_scheduler, handle_signals=False, **kwargs)

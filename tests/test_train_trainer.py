@@ -155,14 +155,15 @@ def test_accumulation_equals_one_big_batch(mlp):
 
 def test_clip_once_at_boundary_after_unscale(mlp, tmp_path, monkeypatch):
     calls = []
-    real = torch.nn.utils.clip_grad_norm_
+    real = torch.nn.utils.clip_grads_with_norm_
 
-    def counting(params, max_norm, **kw):
+    def counting(params, max_norm, total_norm, **kw):
         params = list(params)
         calls.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
-        return real(params, max_norm, **kw)
+        assert float(total_norm) == pytest.approx(calls[-1], rel=1e-5)    # the norm it clips with is the grads'
+        return real(params, max_norm, total_norm, **kw)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counting)
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", counting)
     trainer = Trainer(mlp.build_model(), mlp.loss_fn, mlp.train_data, dtype="float16", accum=4, clip_norm=0.05,
                       trace=tmp_path / "t.jsonl")
     trainer.fit(steps=3)

@@ -69,6 +69,18 @@ def _placeholders(template: str) -> set[str]:
     return {fname.split(".")[0].split("[")[0] for _, fname, _, _ in string.Formatter().parse(template) if fname}
 
 
+def _fix_entry(raw: dict, key: str, at: str, *, example: str, what: str) -> dict:
+    """A rule's ``autofix`` / ``source_fix`` table: a kind, and a safety unless the kind is "none"."""
+    entry = raw.get(key, {"kind": "none"})
+    if not isinstance(entry.get("kind"), str):
+        raise RuleError(f"{at}: key {key!r} needs a kind",
+                        hint=f'e.g. {key} = {{kind = "{example}", safety = "safe"}}, or {{kind = "none"}}')
+    if entry["kind"] != "none" and entry.get("safety") not in SAFETIES:
+        raise RuleError(f"{at}: key {key!r} needs safety = \"safe\" or \"unsafe\"",
+                        hint=f"safe: the {what} leaves FP32 results unchanged; unsafe: it may change them")
+    return entry
+
+
 def _validate(raw: dict, where: str, matchers: dict) -> Rule:
     rid = raw.get("id", "?")
     for key, typ in REQUIRED.items():
@@ -93,20 +105,8 @@ def _validate(raw: dict, where: str, matchers: dict) -> Rule:
         raise RuleError(f"{where}: rule {rid}: key 'matcher' names unknown matcher {raw['matcher']!r}",
                         hint=f"use one of {', '.join(sorted(matchers))}")
     _check_templates(raw, f"{where}: rule {rid}", m)
-    autofix = raw.get("autofix", {"kind": "none"})
-    if not isinstance(autofix.get("kind"), str):
-        raise RuleError(f"{where}: rule {rid}: key 'autofix' needs a kind", hint='e.g. autofix = {kind = "island", '
-                        'safety = "safe"}, or {kind = "none"}')
-    if autofix["kind"] != "none" and autofix.get("safety") not in SAFETIES:
-        raise RuleError(f"{where}: rule {rid}: key 'autofix' needs safety = \"safe\" or \"unsafe\"",
-                        hint="safe: the fix leaves FP32 results unchanged; unsafe: it may change them")
-    source_fix = raw.get("source_fix", {"kind": "none"})
-    if not isinstance(source_fix.get("kind"), str):
-        raise RuleError(f"{where}: rule {rid}: key 'source_fix' needs a kind", hint='e.g. source_fix = {kind = '
-                        '"upcast_op", safety = "safe"}, or {kind = "none"}')
-    if source_fix["kind"] != "none" and source_fix.get("safety") not in SAFETIES:
-        raise RuleError(f"{where}: rule {rid}: key 'source_fix' needs safety = \"safe\" or \"unsafe\"",
-                        hint="safe: the edit leaves FP32 results unchanged; unsafe: it may change them")
+    _fix_entry(raw, "autofix", f"{where}: rule {rid}", example="island", what="fix")
+    _fix_entry(raw, "source_fix", f"{where}: rule {rid}", example="upcast_op", what="edit")
     for name, variant in raw.get("variants", {}).items():
         at = f"{where}: rule {rid}: variant {name!r}"
         if not isinstance(variant, dict):

@@ -262,3 +262,15 @@ def contains(outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
 
     outer.visit(_Find())
     return found
+
+
+class ReplaceNodes(cst.CSTTransformer):
+    """Replace each node that is a key of ``mapping`` (by identity, as located in the original tree) by its value:
+    ``tree.visit(ReplaceNodes({old: new}))``."""
+
+    def __init__(self, mapping: dict):
+        super().__init__()
+        self.mapping = mapping
+
+    def on_leave(self, original_node, updated_node):
+        return self.mapping.get(original_node, updated_node)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from ampaudit.sourcefix.cst_tools import (autocast_off, callee_name, contains, is_autocast_off, is_simple, upcast)
+from ampaudit.sourcefix.cst_tools import (ReplaceNodes, autocast_off, callee_name, contains, is_autocast_off,
+                                          is_simple, upcast)
 from ampaudit.sourcefix.registry import FixContext, source_fixer
 
 COMMENT = "# fp32 under autocast ({rule}): {why}"
@@ -83,20 +84,13 @@ def wrap_statement(ctx: FixContext, expr: cst.CSTNode, inner: dict, why: str):
     device = _device_tensor(ctx, stmt, list(inner))
     if device is None:
         return ctx.refuse(f"no tensor on line {ctx.line} names the device to turn autocast off on", _keep(ctx))
-    body = stmt.visit(_ReplaceIn(inner)).with_changes(leading_lines=[])
+    body = stmt.visit(ReplaceNodes(inner)).with_changes(leading_lines=[])
     block = autocast_off(device, [body], leading=[*stmt.leading_lines, _comment(ctx, why)])
     return [ctx.edit({stmt: block}, f"{why}: line {src.line_of(stmt)} in an autocast-disabled block"
                      + (f", {', '.join(src.code(k).strip() for k in inner)} upcast" if inner else ""),
                      line=src.line_of(stmt), phase="block")]
 
 
-class _ReplaceIn(cst.CSTTransformer):
-    def __init__(self, mapping: dict):
-        super().__init__()
-        self.mapping = mapping
-
-    def on_leave(self, original_node, updated_node):
-        return self.mapping.get(original_node, updated_node)
 
 
 def _keep(ctx: FixContext) -> str:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from ampaudit.sourcefix.cst_tools import (FP32_MATCHER, Source, callee_name, cast_to_dtype_of, fp32_dtype, is_simple,
-                                          is_upcast, keyword_value, method, receiver, upcast, with_keyword)
+from ampaudit.sourcefix.cst_tools import (FP32_MATCHER, ReplaceNodes, Source, callee_name, cast_to_dtype_of,
+                                          fp32_dtype, is_simple, is_upcast, keyword_value, method, receiver, upcast,
+                                          with_keyword)
 from ampaudit.sourcefix.locate import Spot, is_literal, locate, low_operands
 from ampaudit.sourcefix.registry import FixContext, Refusal, source_fixer
 
@@ -109,7 +110,7 @@ def upcast_op(ctx: FixContext, cast_back: bool | None = None):
             from ampaudit.sourcefix.fixers_block import wrap_statement
 
             return wrap_statement(ctx, spot.expr, ups, f"{op} in fp32")
-        new = spot.expr.visit(_ReplaceIn(ups))
+        new = spot.expr.visit(ReplaceNodes(ups))
         if cast_back and is_simple(first):
             new = cast_to_dtype_of(new, first)
             described.append(f"{op} on {_names(ctx.src, ups)} upcast, result cast back to {ctx.src.code(first)}.dtype")
@@ -121,13 +122,6 @@ def upcast_op(ctx: FixContext, cast_back: bool | None = None):
     return [ctx.edit(mapping, "; ".join(described))]
 
 
-class _ReplaceIn(cst.CSTTransformer):
-    def __init__(self, mapping: dict):
-        super().__init__()
-        self.mapping = mapping
-
-    def on_leave(self, original_node, updated_node):
-        return self.mapping.get(original_node, updated_node)
 
 
 @source_fixer("fp32_accumulate")

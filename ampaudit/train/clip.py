@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ampaudit.errors import UsageError
-from ampaudit.train.fsdp import full_tensor
+from ampaudit.train.fsdp import group_norms
 
 CLIP_MODES = ("norm", "layer", "value")
 
@@ -39,32 +39,31 @@ def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def total_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The global L2 norm of the gradients of ``params``, in fp32 (0 when there are none)."""
-    grads = _grads(params)
-    if not grads:
-        return torch.zeros(())
-    # get_total_norm reduces FSDP's sharded gradients (DTensors) across ranks: a collective then.
-    return full_tensor(torch.nn.utils.get_total_norm([g.float() if g.dtype != torch.float32 else g for g in grads],
-                                                     2.0, foreach=True))
+    """The global L2 norm of the gradients of ``params``, in fp32 (0 when there are none). Collective when the
+    gradients are FSDP shards."""
+    return group_norms([_grads(params)], 2.0)[0]
 
 
 def clip_gradients(groups: Sequence[Sequence[torch.Tensor]], *, mode: str | None, max_value: float | None,
                    want_norm: bool = True) -> tuple[float | None, bool]:
     """Clip in place; return ``(global norm before clipping or None, clipped)``.
 
-    With ``mode=None`` nothing is clipped and the norm is computed only when ``want_norm``.
+    With ``mode=None`` nothing is clipped and the norm is computed only when ``want_norm``. The norms are
+    global: FSDP shards are reduced across ranks (every rank must call this then).
     """
     params = [p for group in groups for p in group]
     if mode is None:
         return (float(total_norm(params)) if want_norm else None), False
     if mode == "norm":
-        norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_value, foreach=True))
+        norm = total_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, max_value, norm, foreach=True)
         value = float(norm)
         return value, math.isfinite(value) and value > max_value
     if mode == "layer":
-        norms = [full_tensor(torch.nn.utils.clip_grad_norm_(group, max_value, foreach=True))
-                 for group in groups if group]
-        per_layer = torch.stack(norms) if norms else torch.zeros(1)
+        groups = [group for group in groups if group]
+        per_layer = group_norms([_grads(group) for group in groups], 2.0) if groups else torch.zeros(1)
+        for group, norm in zip(groups, per_layer):
+            torch.nn.utils.clip_grads_with_norm_(group, max_value, norm, foreach=True)
         value = float(torch.linalg.vector_norm(per_layer, 2.0))
         return value, bool(torch.isfinite(per_layer).all() and (per_layer > max_value).any())
     # mode == "value"
@@ -72,7 +71,7 @@ def clip_gradients(groups: Sequence[Sequence[torch.Tensor]], *, mode: str | None
     value = float(total_norm(params)) if want_norm else None
     clipped = False
     if grads:
-        absmax = full_tensor(torch.nn.utils.get_total_norm(grads, math.inf, foreach=True))
+        absmax = group_norms([grads], math.inf)[0]
         clipped = bool(torch.isfinite(absmax) and absmax > max_value)
         torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
     return value, clipped

@@ -14,8 +14,9 @@ is why :func:`~ampaudit.train.preflight.run_preflight` refuses it.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,18 +111,39 @@ def gradient_sync(model: nn.Module, boundary: bool) -> contextlib.AbstractContex
     return contextlib.nullcontext()
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (collective: every rank must call it), ``t`` itself otherwise."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, ``t`` itself otherwise."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def group_norms(groups: Sequence[Sequence[torch.Tensor]], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm (2 or inf) of each group of tensors, in fp32, as one tensor (0 for an empty group).
+
+    FSDP's gradients are DTensors sharded on dim 0, each element on exactly one rank: each rank reduces its local
+    shards and one plain all-reduce (SUM of squares, or MAX) joins the groups. Collective when any tensor is a
+    DTensor; plain tensors (DDP's replicated gradients) reduce locally. A plain c10d all-reduce rather than
+    ``DTensor.full_tensor()``: the functional collectives behind the latter occasionally abort a gloo process at
+    exit ("terminate called without an active exception").
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(t, DTensor) for group in groups for t in group)
+    parts = []
+    for group in groups:
+        tensors = [local(t) for t in group if t.numel()]
+        tensors = [t.float() if t.dtype != torch.float32 else t for t in tensors]
+        if not tensors:
+            parts.append(torch.zeros((), device="cpu"))
+            continue
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type))
+        parts.append(norms.max() if norm_type == math.inf else norms.pow(2).sum())
+    device = parts[0].device if parts else torch.device("cpu")
+    out = torch.stack([t.to(device) for t in parts]) if parts else torch.zeros(0)
+    if sharded and dist.is_initialized():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+    return out if norm_type == math.inf else out.sqrt()
 
 
 def nonfinite_grads(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
@@ -147,16 +169,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if not is_sharded(model):
         return model.state_dict()
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-@contextlib.contextmanager
-def unsharded(model: nn.Module) -> Iterator[None]:
-    """Parameters gathered whole for the block (FSDP's ``unshard``/``reshard``); a no-op for other models."""
-    if not is_sharded(model):
-        yield
-        return
-    model.unshard()
-    try:
-        yield
-    finally:
-        model.reshard()
