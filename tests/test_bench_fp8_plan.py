@@ -1,4 +1,4 @@
-"""bench/fp8_plan.py --quick: the three variants train side by side on both models and the table prints."""
+"""bench/fp8_plan.py --quick: the three variants train side by side on the three models and the table prints."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,10 +24,13 @@ def test_quick_run_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "emulated on CPU" in text
     assert "including head 64->58" in text          # fp8-all takes the misaligned head too
     data = json.loads(out.read_text())
-    assert set(data["models"]) == {"sample transformer", "Llama-style"}
+    assert set(data["models"]) == {"sample transformer", "Llama-style", "massive-activation GPT"}
     for model in data["models"].values():
         assert set(model["rows"]) == {"bf16", "fp8-all", "plan"}
         assert model["rows"]["bf16"]["ratio"] == 1.0
         assert all(len(r["losses"]) == 6 for runs in model["runs"].values() for r in runs)
     char = data["models"]["sample transformer"]
     assert {layer["module"] for layer in char["plan"]["layers"] if layer["choice"] != "float8"} == {"head"}
+    outlier = data["models"]["massive-activation GPT"]
+    kept_out = {layer["module"] for layer in outlier["plan"]["layers"] if layer["choice"] != "float8"}
+    assert kept_out == {"blocks.0.mlp.proj", "blocks.1.mlp.proj"}      # the two Linears that read the outlier

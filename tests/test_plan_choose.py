@@ -40,8 +40,11 @@ def test_misaligned_stays_bf16_unless_padded():
     layer = Measured(in_features=30)
     plan = choose_layer(layer, budget=BUDGET, speed=FAST)
     assert plan.choice == "bfloat16" and "in_features 30 not a multiple of 16" in plan.reasons[0]
+    assert plan.float8_if_padded == {"in_features": 32}           # alignment alone: train --pad takes it
     padded = choose_layer(layer, budget=BUDGET, speed=FAST, pad=True)
-    assert padded.choice == "float8" and padded.padded == {"in_features": 32}
+    assert padded.choice == "float8" and padded.padded == {"in_features": 32} and padded.float8_if_padded is None
+    worse = choose_layer(Measured(in_features=30, metrics=_metrics(fp8=(9.5, 22.0, 22.0))), budget=BUDGET, speed=FAST)
+    assert worse.choice == "bfloat16" and len(worse.reasons) == 2 and worse.float8_if_padded is None
 
 
 def test_over_budget_names_the_number_and_the_flushed_share():

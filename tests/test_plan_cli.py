@@ -161,3 +161,29 @@ def test_a_layer_planned_as_padded_is_refused_on_cuda_until_padded(monkeypatch):
     with pytest.raises(UsageError, match="float8 only once padded"):
         apply_plan(MLP(), plan, device="cuda")
     assert apply_plan(MLP(), plan, device="cpu") == {"float8": ["head"], "float32": []}   # the emulation runs it
+
+
+def test_planning_runs_on_one_thread_and_restores_the_callers_setting():
+    before = torch.get_num_threads()
+    seen = []
+
+    def loss(out, target):
+        seen.append(torch.get_num_threads())
+        return nn.functional.cross_entropy(out, target)
+
+    torch.set_num_threads(2)
+    try:
+        ampaudit.plan(MLP(), _batches(1), loss_fn=loss, speed_model="off")
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+        seen.clear()
+        ampaudit.plan(MLP(), _batches(1), loss_fn=loss, speed_model="off", threads=None)
+        assert set(seen) == {2}
+
+        def broken(out, target):
+            raise RuntimeError("loss failed")
+
+        with pytest.raises(RuntimeError, match="loss failed"):
+            ampaudit.plan(MLP(), _batches(1), loss_fn=broken, speed_model="off")
+        assert torch.get_num_threads() == 2                        # restored on error too
+    finally:
+        torch.set_num_threads(before)

@@ -39,7 +39,7 @@ def _hooks(loaded) -> tuple:
     return loaded.hook("train_data"), loaded.hook("loss_fn")
 
 
-def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None) -> str:
+def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: bool = False) -> str:
     """Convert the model as the plan says (planning first for --dtype float8); the dtype the rest trains in."""
     from ampaudit.planning.apply import apply_plan, load_plan
 
@@ -53,11 +53,13 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None) -> st
         from ampaudit.planning.api import plan as make_plan
 
         # Measured on the first batches of train_data(); measuring changes nothing in the model.
-        data = make_plan(loaded.model, batches_from(loaded, 4), loss_fn=loaded.hook("loss_fn")).to_dict()
+        data = make_plan(loaded.model, batches_from(loaded, 4), loss_fn=loaded.hook("loss_fn"), pad=pad).to_dict()
     target = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    chosen = apply_plan(loaded.model, data, device=target)
-    typer.echo(f"plan: {len(chosen['float8'])} float8 layer(s), {len(chosen['float32'])} float32, the rest bf16",
-               err=True)
+    chosen = apply_plan(loaded.model, data, device=target, pad=pad)
+    padded = chosen.get("padded") or {}
+    typer.echo(f"plan: {len(chosen['float8'])} float8 layer(s)"
+               + (f" ({len(padded)} padded: {'; '.join(c.describe() for c in padded.values())})" if padded else "")
+               + f", {len(chosen['float32'])} float32, the rest bf16", err=True)
     return "bfloat16"
 
 
@@ -105,6 +107,7 @@ def train(
     trace_every: Annotated[int, typer.Option(help="Collect tensor statistics every N steps.")] = 50,
     divergence_every: Annotated[Optional[int], typer.Option(help="Compare every module with an FP32 shadow "
                                                             "forward every N steps (needs --trace and O1).")] = None,
+    pad: Annotated[bool, typer.Option("--pad", help="With --plan or --dtype float8: pad the misaligned layers the plan keeps out of float8 only for alignment (zero rows and columns, the same outputs) and train them in float8; --save writes the unpadded shapes.")] = False,
     fp8_fallback: Annotated[bool, typer.Option("--fp8-fallback", help="With --plan and --trace: a float8 layer whose input or grad_output flushes past the plan's budget trains in bf16 from then on (logged in the trace).")] = False,
     tensorboard: Annotated[Optional[Path], typer.Option(help="When training ends, also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom and divergence) as TensorBoard logs here (needs --trace and the tensorboard extra).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (last.pt, halted.pt).")] = None,
@@ -135,12 +138,16 @@ def train(
         raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
     if fp8_fallback and trace is None:
         raise UsageError("--fp8-fallback needs --trace FILE", hint="e.g. --plan plan.json --trace run.jsonl --fp8-fallback")
+    if pad and plan is None and dtype != "float8":
+        raise UsageError("--pad pads the layers a float8 plan keeps out for alignment", hint="add --plan plan.json or --dtype float8")
+    if pad and fsdp:
+        raise UsageError("--pad is not supported with --fsdp", hint="drop --pad (those layers train in bf16), or train without --fsdp")
     if checkpoint_every is not None and checkpoint is None:
         raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
     loaded = load_target(target, entry=entry, need_inputs=False)
     train_data, loss_fn = _hooks(loaded)
     if plan is not None or dtype == "float8":
-        dtype = _apply_plan(loaded, plan, dtype, device)
+        dtype = _apply_plan(loaded, plan, dtype, device, pad)
     make_scheduler = loaded.hook("make_scheduler")
     wrap = [c.strip() for c in fsdp_wrap.split(",") if c.strip()] if fsdp_wrap else None
     if preflight_only:

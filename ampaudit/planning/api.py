@@ -13,9 +13,11 @@ too, so the plan shows where the two differ.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 from ampaudit.errors import UsageError
@@ -109,12 +111,27 @@ def _plan_for(model: nn.Module, batches: list, recipe: str, *, loss_fn, budget: 
     return Plan(recipe, speed_model, budget, layers)
 
 
+@contextlib.contextmanager
+def _torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside, the caller's restored on leaving, error or not."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def plan(model: nn.Module, batches: list, *, recipe: str = "tensorwise", loss_fn=None,
          budget: Budget | None = None, speed_model: str = "h100", tokens: int | None = None, pad: bool = False,
-         flagged: dict[str, str] | None = None) -> Plan:
+         flagged: dict[str, str] | None = None, threads: int | None = 1) -> Plan:
     """Measure and choose; see the module docstring. ``recipe="auto"`` plans with both torchao recipes and keeps
     the one with more float8 layers (then the faster). ``tokens``: M of every GEMM instead of the batches'.
-    ``flagged``: module -> reason it must stay fp32 (e.g. from check's findings)."""
+    ``flagged``: module -> reason it must stay fp32 (e.g. from check's findings). ``threads``: torch's CPU
+    threads while planning (None: the caller's setting; it is restored afterwards either way)."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"plan() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
     if recipe not in RECIPES:
@@ -130,9 +147,14 @@ def plan(model: nn.Module, batches: list, *, recipe: str = "tensorwise", loss_fn
             raise UsageError(f"speed model {speed_model!r} {what}", hint=f"use one of {', '.join(fp8_gpus)} or off")
     budget = budget or Budget.default()
     kw = dict(loss_fn=loss_fn, budget=budget, speed_model=speed_model, tokens=tokens, pad=pad, flagged=flagged)
-    if recipe != "auto":
-        return _plan_for(model, batches, recipe, **kw)
-    plans = [_plan_for(model, batches, r, **kw) for r in ("tensorwise", "rowwise")]
+    # One thread by default: planning is hundreds of small ops (each Linear re-run alone in float8, bf16 and
+    # fp16, the fp8 casts emulated elementwise, one model run per layer), too small to split, and each op that
+    # OpenMP splits waits for its slowest thread, which on a shared or busy CPU is a thread that lost its core.
+    # Measured in BENCHMARKS.md ("FP8 plan": planning wall time).
+    with _torch_threads(threads):
+        if recipe != "auto":
+            return _plan_for(model, batches, recipe, **kw)
+        plans = [_plan_for(model, batches, r, **kw) for r in ("tensorwise", "rowwise")]
     best = max(plans, key=lambda p: (p.summary()["float8"], p.summary().get("predicted_linear_speedup") or 0))
     other = plans[1] if best is plans[0] else plans[0]
     best.notes.append(f"recipe auto: {best.recipe} gives {best.summary()['float8']} float8 layer(s), "

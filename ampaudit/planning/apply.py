@@ -3,12 +3,17 @@ fp32 under autocast, the rest left to bf16 autocast.
 
     plan = load_plan("plan.json")                  # or ampaudit.plan(...).to_dict()
     apply_plan(model, plan, device="cpu")          # in place; returns {"float8": [...], "float32": [...]}
+    apply_plan(model, plan, pad=True)              # also pads misaligned float8 layers; adds "padded": {name: change}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(model(x), y)
 
 torchao's ``convert_to_float8_training`` swaps each chosen nn.Linear for a Float8Linear (same parameters and
 state_dict keys, so checkpoints load either way), emulated on CPU and with real FP8 kernels on CUDA GPUs of compute
 capability 8.9 or newer; older GPUs are refused with the reason.
+
+``pad=True`` (``train --pad``): the layers a ``plan --pad`` plan marks ``padded``, and those a plan without it kept
+in bf16 for alignment alone (``float8_if_padded``), are padded with zero rows and columns after the conversion
+(``rewrite.pad.pad_linear``: the same outputs, the unpadded shapes in ``state_dict()``) and train in float8.
 """
 from __future__ import annotations
 
@@ -54,13 +59,15 @@ def _check_device(device: str | torch.device) -> bool:
     return False
 
 
-def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cpu") -> dict[str, list[str]]:
-    """Convert ``model`` in place as ``plan`` says; returns the modules per choice that changed."""
+def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cpu", pad: bool = False) -> dict:
+    """Convert ``model`` in place as ``plan`` says; returns the modules per choice that changed (with ``pad``,
+    also ``"padded"``: module -> ``PadChange``)."""
     from ampaudit.planning.fp8 import config, import_torchao
     from ampaudit.rewrite.keep_fp32 import keep_fp32
 
     modules = dict(model.named_modules())
-    chosen: dict[str, list[str]] = {"float8": [], "float32": []}
+    chosen: dict = {"float8": [], "float32": []}
+    to_pad: dict[str, dict[str, int]] = {}
     for layer in plan["layers"]:
         name, choice = layer.get("module"), layer.get("choice")
         if choice not in ("float8", "bfloat16", "float32"):
@@ -72,10 +79,15 @@ def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cp
         if (shape.get("in_features"), shape.get("out_features")) != (mod.in_features, mod.out_features):
             raise InputError(f"plan layer {name!r} is {shape.get('in_features')}->{shape.get('out_features')}, "
                              f"the model's is {mod.in_features}->{mod.out_features}", hint=_HINT)
-        if choice == "float8" and layer.get("padded") and torch.device(device).type == "cuda":
+        if pad and choice == "bfloat16" and layer.get("float8_if_padded"):
+            choice = "float8"          # alignment was its only reason to stay out
+            to_pad[name] = dict(layer["float8_if_padded"])
+        elif pad and choice == "float8" and layer.get("padded"):
+            to_pad[name] = dict(layer["padded"])
+        elif choice == "float8" and layer.get("padded") and torch.device(device).type == "cuda":
             # Planned with --pad: torch._scaled_mm refuses the unpadded dims, so the layer must be padded first.
             raise UsageError(f"plan layer {name!r} is float8 only once padded to {layer['padded']}",
-                             hint="pad the model first (ampaudit fix --dtype float8 --pad), or re-plan without --pad")
+                             hint="ampaudit train --pad (apply_plan(..., pad=True)) pads it, or re-plan without --pad")
         if choice in chosen:
             chosen[choice].append(name)
     if chosen["float8"]:
@@ -86,4 +98,10 @@ def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cp
             module_filter_fn=lambda mod, fqn: fqn in wanted)
     if chosen["float32"]:
         keep_fp32(model, chosen["float32"])
+    if pad:
+        from ampaudit.rewrite.pad import pad_linear
+
+        # After the conversion: torchao builds a new module per Linear, which would drop the padding hooks.
+        after = dict(model.named_modules())
+        chosen["padded"] = {name: pad_linear(after[name], dims, name=name) for name, dims in to_pad.items()}
     return chosen

@@ -51,6 +51,9 @@ class LayerPlan:
     stats: dict = field(default_factory=dict)
     speedup: float | None = None          # predicted fp8 / bf16 step speedup of this layer's three GEMMs
     padded: dict | None = None            # {"in_features": 32, ...} when --pad makes it fit
+    # Planned without --pad: {dim: padded size} when alignment was the layer's only reason to stay out of float8
+    # (``train --pad`` pads it and trains it in float8).
+    float8_if_padded: dict | None = None
     torchao: bool | None = None           # what torchao's own filter would choose (True: float8)
     speed: dict | None = None             # speed.linear_times: predicted seconds in bf16 and fp8
 
@@ -61,7 +64,8 @@ class LayerPlan:
                          "shape": {"in_features": self.in_features, "out_features": self.out_features,
                                    "tokens": self.tokens},
                          "metrics": self.metrics, "stats": self.stats, "speedup": self.speedup,
-                         "padded": self.padded, "torchao_filter": self.torchao})
+                         "padded": self.padded, "float8_if_padded": self.float8_if_padded,
+                         "torchao_filter": self.torchao})
 
 
 def _sqnr(metrics: dict, dtype: str, role: str) -> tuple[float, str]:
@@ -124,6 +128,7 @@ def choose_layer(measure: Any, *, budget: Budget, speed: dict | None = None, pad
         dims = ", ".join(f"{d} {getattr(measure, d)}" for d in misaligned)
         multiple = int(settings()["plan"]["fp8_multiple"])
         plan.reasons.append(f"{dims} not a multiple of {multiple} (--pad pads it without changing results)")
+        plan.float8_if_padded = misaligned
     for role, floor in (("output", budget.forward_db), *((r, budget.backward_db) for r in BACKWARD)):
         if role not in measure.metrics.get("float8", {}):
             continue                # no gradient reached this layer: its backward is not trained
@@ -145,6 +150,8 @@ def choose_layer(measure: Any, *, budget: Budget, speed: dict | None = None, pad
         # Few tokens or a narrow layer: the amax and cast passes cost more than the faster GEMMs save.
         plan.reasons.append(f"predicted {1 / speed['speedup']:.2f}x slower in fp8 ({speed['bound']}-bound at "
                             f"{measure.tokens} tokens)")
+    if len(plan.reasons) > (1 if plan.float8_if_padded else 0):
+        plan.float8_if_padded = None         # something besides alignment keeps it out
     if plan.reasons:
         plan.choice = "bfloat16"
     else:

@@ -13,6 +13,12 @@ with zero rows and columns, so every output the model had is computed exactly as
 
 Parameter names do not change; their shapes do. A checkpoint saved before padding still loads: the root
 module gets a load_state_dict pre-hook that zero-pads tensors of the old shape.
+
+``pad_linear(module, {"out_features": 272})`` pads one Linear of an eager model in place, for training
+(``train --pad``): the same zero rows and columns, the input padded by a forward pre-hook and the output sliced
+back by a forward hook, so the model's class and code do not change. Its ``state_dict()`` holds the *unpadded*
+shapes (the zero rows and columns cut off), so weights saved from the padded model load into the user's unpadded
+model class; loading either shape into the padded one works (zero-padded as above).
 """
 from __future__ import annotations
 
@@ -293,3 +299,44 @@ def _pad_conv(p: _Padder, node, m: nn.Conv1d, path, want) -> PadChange:
     change.module_attrs = {"in_channels": m.in_channels, "out_channels": m.out_channels}
     change.gemm_after = f"M={m.out_channels} K={m.in_channels}x{kvol}"
     return change
+
+
+def pad_linear(module: nn.Linear, dims: dict[str, int], name: str = "") -> PadChange:
+    """Pad ``module`` (an nn.Linear or a subclass such as torchao's Float8Linear) in place to ``dims``
+    ({"in_features": I, "out_features": O}); see the module docstring. The padded rows and columns get zero
+    gradients (their inputs are zero, their outputs are cut off), so SGD, Adam and AdamW keep them zero and the
+    unpadded state_dict loses nothing."""
+    fin, fout = module.in_features, module.out_features
+    new_in, new_out = max(dims.get("in_features", fin), fin), max(dims.get("out_features", fout), fout)
+    change = PadChange(name, type(module).__name__, {}, f"M={fout} K={fin}", f"M={new_out} K={new_in}")
+    weight = module.weight
+    if new_in != fin:
+        weight = _grow(weight, 1, new_in)
+        change.dims["in_features"] = (fin, new_in)
+        change.input_pads = 1
+        module.register_forward_pre_hook(lambda mod, args: (F.pad(args[0], (0, new_in - fin)), *args[1:]))
+    if new_out != fout:
+        weight = _grow(weight, 0, new_out)
+        if module.bias is not None:
+            module.bias = nn.Parameter(_grow(module.bias, 0, new_out), requires_grad=module.bias.requires_grad)
+        change.dims["out_features"] = (fout, new_out)
+        change.slices = 1
+        module.register_forward_hook(lambda mod, args, out: out[..., :fout])
+    if not change.dims:
+        return change
+    module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+    module.in_features, module.out_features = new_in, new_out
+    shapes = {"weight": (new_out, new_in), **({"bias": (new_out,)} if module.bias is not None else {})}
+    change.param_shapes, change.module_attrs = shapes, {"in_features": new_in, "out_features": new_out}
+    module.register_state_dict_post_hook(functools.partial(_unpad_state, {"weight": (fout, fin), "bias": (fout,)}))
+    module._register_load_state_dict_pre_hook(functools.partial(pad_checkpoint, shapes))
+    return change
+
+
+def _unpad_state(shapes: dict[str, tuple[int, ...]], module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook of ``pad_linear``: the padded tensors cut back to the user's shapes (copies, so a
+    saved file holds only those)."""
+    for name, shape in shapes.items():
+        t = state_dict.get(prefix + name)
+        if isinstance(t, torch.Tensor) and t.dim() == len(shape):
+            state_dict[prefix + name] = t.detach()[tuple(slice(0, s) for s in shape)].clone()
