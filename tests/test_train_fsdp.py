@@ -218,3 +218,34 @@ def test_two_rank_fsdp_halt_names_modules_and_writes_a_sharded_checkpoint(tmp_pa
     diagnosis = json.loads((ckpt / "halt.json").read_text())
     assert {m["module"] for m in diagnosis["overflowing_modules"]} == {"0", "2"}, diagnosis   # modules, not shards
     assert json.loads((ckpt / "halted.json").read_text())["step"] == 3
+
+
+COMPILE_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {assets!r})
+import train_blocks as blocks
+from ampaudit.train import Trainer
+runs = {{}}
+for compiled in (False, "aot_eager"):     # aot_eager: dynamo and AOTAutograd without inductor's codegen
+    with Trainer(blocks.build_model(), blocks.loss_fn, blocks.train_data, optimizer=blocks.make_optimizer,
+                 dtype="float16", accum=2, fsdp=True, compile=compiled, clip_norm=1.0, handle_signals=False,
+                 trace={trace!r} if compiled else None, trace_every=2) as t:
+        result = t.fit(steps=4)
+        runs[compiled] = (result.losses, t.full_state_dict())
+(eager_losses, eager), (losses, state) = runs[False], runs["aot_eager"]
+ok = all(torch.allclose(eager[k], state[k], rtol=1e-3, atol=1e-4) for k in eager)
+with open({out!r} + os.environ["RANK"], "w") as fh:
+    print(ok, [round(a / b, 3) for a, b in zip(losses, eager_losses)], file=fh)
+"""
+
+
+def test_fsdp_with_compile_trains_as_eager_fsdp(tmp_path):
+    script, trace = tmp_path / "compiled.py", tmp_path / "run.jsonl"
+    script.write_text(COMPILE_SCRIPT.format(assets=str(ASSETS), trace=str(trace), out=str(tmp_path / "rank")))
+    done = torchrun(str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "rank0").read_text().strip() == "True [1.0, 1.0, 1.0, 1.0]"
+    events, problems = read_trace(trace)
+    assert not problems and events[0]["compile"] and events[0]["fsdp"]
+    root = [e for e in events if e["event"] == "stats" and e["module"] == "" and e["phase"] == "forward"]
+    assert sum(e["passes"] for e in root) == 3 * 2      # steps 1, 2 and 4 eager, 2 micro-batches each

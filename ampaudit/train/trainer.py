@@ -15,7 +15,8 @@ Under ``torchrun`` the ``with`` block is all a script needs: the trainer joins t
 nccl on CUDA), wraps the model in DDP, and on leaving waits for every rank and leaves the group it joined.
 ``fsdp=True`` shards it with FSDP2 instead (:mod:`ampaudit.train.fsdp`: fp32 shards are the master weights,
 sharded checkpoints through DCP) after a precision preflight (:mod:`ampaudit.train.preflight`); ``compile=True``
-runs the forward through ``torch.compile`` (the watch sees eager replays of its sampled steps only).
+(or a backend name, e.g. ``"aot_eager"``) runs the forward through ``torch.compile``; the watch sees only the
+steps it samples, which run eagerly.
 
 ``train_data`` is a function returning an iterable of ``(inputs, target)`` (inputs: a Tensor, a tuple of them, or a
 dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``optimizer`` is a factory called with the
@@ -106,7 +107,7 @@ class Trainer(TrainerState):
                  checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
                  fsdp: bool = False, fsdp_wrap: list[str] | None = None, reduce_dtype: str | torch.dtype = "float32",
-                 compile: bool = False, preflight: bool = True, meta: dict[str, Any] | None = None,
+                 compile: bool | str = False, preflight: bool = True, meta: dict[str, Any] | None = None,
                  warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
                  micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
                  metric_fn: Callable[[Any, Any], dict] | None = None,
@@ -158,7 +159,8 @@ class Trainer(TrainerState):
             self.units = []
             self._eager_model = ddp.wrap(model, self.dist, self.device)
         self._compiled = bool(compile)
-        self._forward_model = torch.compile(self._eager_model) if compile else self._eager_model
+        backend = {"backend": compile} if isinstance(compile, str) else {}
+        self._forward_model = torch.compile(self._eager_model, **backend) if compile else self._eager_model
         self.model = model
         # Masters are taken after the DDP wrap: its constructor broadcasts rank 0's weights into the model.
         self.masters = MasterWeights(model) if self.opt_level == "O2" and not self.fsdp else None
