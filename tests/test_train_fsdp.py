@@ -249,3 +249,29 @@ def test_fsdp_with_compile_trains_as_eager_fsdp(tmp_path):
     assert not problems and events[0]["compile"] and events[0]["fsdp"]
     root = [e for e in events if e["event"] == "stats" and e["module"] == "" and e["phase"] == "forward"]
     assert sum(e["passes"] for e in root) == 3 * 2      # steps 1, 2 and 4 eager, 2 micro-batches each
+
+
+def test_a_watch_on_a_sharded_model_reads_its_shards_and_never_reruns_alone(blocks):
+    from ampaudit.errors import UsageError
+    from ampaudit.runtime.session import WatchSession
+    from ampaudit.runtime.watch import Watch
+
+    with _fsdp_trainer(blocks) as trainer:          # a group of one: the parameters are DTensors all the same
+        model = trainer.model
+        with pytest.raises(UsageError, match="sharded"):
+            Watch(model, divergence_every=2)
+        watch = Watch(model)
+        assert watch.max_replays == 0 and not watch.locate_first
+        watch.close()
+        session = WatchSession(None, memory=True)      # what the Lightning / HF callbacks drive, on rank 0 alone
+        session.start(model, dtype=torch.bfloat16, integration="test")
+        session.begin_step(1)
+        model(torch.randn(4, 16)).sum().backward()
+        model.head.weight.grad.to_local()[0, 3] = float("inf")
+        session.before_optimizer_step(scaled=True)
+        found = session.end_step(skipped=True, scale=1.0)
+        session.close()
+    assert found == {"params": ["head.weight"], "modules": ["head"]}
+    skip = next(e for e in session.events if e["event"] == "skip")
+    step = next(e for e in session.events if e["event"] == "step")
+    assert skip["scope"] == "rank 0's shards" and step["grad_norm"] is None    # no norm of a shard passed as whole

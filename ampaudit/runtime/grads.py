@@ -21,9 +21,21 @@ def from_flags(names: Sequence[str], flags: torch.Tensor | Sequence[bool]) -> di
     return {"params": params, "modules": sorted({n.rpartition(".")[0] for n in params})}
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's sharded parameters and gradients), without importing torch.distributed.tensor."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: a DTensor's local shard (reading it needs no other rank), else ``t``."""
+    return t.to_local() if is_sharded(t) else t
+
+
 def nonfinite_grads(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
-    """``{"params", "modules"}`` of the parameters whose ``.grad`` holds inf or NaN."""
-    named = [(n, p.grad) for n, p in named_params if p.grad is not None]
+    """``{"params", "modules"}`` of the parameters whose ``.grad`` holds inf or NaN. For FSDP's sharded
+    gradients this process's shards are read (no collective: a watch on rank 0 alone must not wait for the
+    others); :func:`ampaudit.train.fsdp.nonfinite_grads` joins every rank's."""
+    named = [(n, local(p.grad)) for n, p in named_params if p.grad is not None]
     if not named:
         return {"params": [], "modules": []}
     with torch.no_grad():

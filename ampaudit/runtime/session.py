@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from ampaudit.dtypes import name_of
-from ampaudit.runtime.grads import from_flags, nonfinite_grads
+from ampaudit.runtime.grads import from_flags, is_sharded, local, nonfinite_grads
 from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def param_grad_norms(named: list[tuple[str, nn.Parameter]]) -> tuple[list[str], 
     names = [n for n, p in named if p.grad is not None]
     if not names:
         return [], None
-    grads = [p.grad.detach() for _, p in named if p.grad is not None]
+    # FSDP shards: each norm is of this rank's shard (the whole tensor's needs every rank; see end_step).
+    grads = [local(p.grad.detach()) for _, p in named if p.grad is not None]
     try:
         # One fused pass, as clip_grad_norm_ does.
         return names, torch.stack(torch._foreach_norm(grads)).float()
@@ -238,13 +239,16 @@ class WatchSession:
         losses = [x for x in losses if x is not None]
         names, norms, divisor = self._norms
         norm = None
-        if norms is not None:
+        # Sharded gradients: rank 0's shards give no global norm, and name only the inf/NaN they hold.
+        sharded = any(is_sharded(p.grad) for _, p in self._params if p.grad is not None)
+        if norms is not None and not sharded:
             norm = float(torch.linalg.vector_norm(norms).item()) / divisor
         attribution = None
         if skipped:
             attribution = from_flags(names, ~torch.isfinite(norms)) if norms is not None else \
                 {"params": [], "modules": []}
-            self.writer.write("skip", step=step, scale=scale, **attribution)
+            scope = {"scope": "rank 0's shards"} if sharded else {}
+            self.writer.write("skip", step=step, scale=scale, **attribution, **scope)
             self.skips.append({"step": step, **attribution})
         clipped: bool | None = False
         if clipped_at:      # unknown on steps whose norm was not measured, or was not finite

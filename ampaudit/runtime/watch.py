@@ -38,7 +38,7 @@ import torch.nn as nn
 from ampaudit.dtypes import name_of
 from ampaudit.errors import UsageError
 from ampaudit.runtime.grad_hist import GradHistograms
-from ampaudit.runtime.grads import nonfinite_grads
+from ampaudit.runtime.grads import is_sharded, nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
 from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
@@ -102,6 +102,12 @@ class Watch(PassHooks):
         self.locate_first, self.max_replays, self.max_events = locate_first, max_replays, max_events
         first = next(iter(self.root.parameters()), None)
         self.device_type = first.device.type if first is not None else "cpu"
+        if any(is_sharded(p) for p in self.root.parameters()):
+            # FSDP: a forward gathers parameters from every rank, so this process cannot rerun one alone.
+            if divergence_every is not None:
+                raise UsageError("watch(): divergence checks rerun the model in FP32 in this process alone, which a "
+                                 "sharded (FSDP) model cannot do", hint="drop divergence_every for sharded models")
+            self.locate_first, self.max_replays = False, 0
         # Parts.
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)

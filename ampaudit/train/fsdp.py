@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ampaudit.errors import UsageError
-from ampaudit.runtime.grads import from_flags
+from ampaudit.runtime.grads import from_flags, local
 
 # Containers whose repeated children are a model's blocks (a transformer's layers, a ResNet stage's blocks).
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -109,13 +109,6 @@ def gradient_sync(model: nn.Module, boundary: bool) -> contextlib.AbstractContex
     if is_sharded(model):
         model.set_requires_gradient_sync(boundary)
     return contextlib.nullcontext()
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor, ``t`` itself otherwise."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def group_norms(groups: Sequence[Sequence[torch.Tensor]], norm_type: float) -> torch.Tensor:
