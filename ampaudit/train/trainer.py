@@ -197,11 +197,12 @@ class Trainer(TrainerState):
                           tracing=self._tracing)
         # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
         # no trace the session watches nothing (memory=False: no in-memory events either).
-        # Replays rerun one pass on rank 0 alone: a sharded forward would wait for the other ranks, and under
-        # compile the watch has not seen the compiled passes it would replay.
+        # Replays rerun one pass on rank 0 alone: a sharded forward, or torch's (CUDA) SyncBatchNorm, would wait for
+        # the other ranks, and under compile the watch has not seen the compiled passes it would replay.
+        synced = self.dist.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback,
-                                    replays=not (self.fsdp or compile), stats_every=1 if compile else None)
+                                    replays=not (self.fsdp or compile or synced), stats_every=1 if compile else None)
         # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
         found = warn_small_batches(model, as_factory(train_data), micro_batch=micro_batch, accum=accum,
                                    world_size=self.dist.world_size) if self.dist.is_main else None
