@@ -137,22 +137,17 @@ def test_version_1_traces_have_no_section():
 @pytest.fixture(scope="module")
 def drawn(scaled_trace):
     pytest.importorskip("plotly")
-    from test_report_html import _chromium, _png_rgb
+    from test_report_html import _chromium, _png_rgb, render
 
     from ampaudit.report.html import write_html
 
-    browser = _chromium()
-    if browser is None:
+    if _chromium() is None:
         pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
     events, problems = read_trace(scaled_trace)
     page = write_html(scaled_trace.parent / "gh.html", events, problems, trace=str(scaled_trace))
     shot = page.parent / "gh.png"
-    proc = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1400",
-         "--virtual-time-budget=5000", f"--screenshot={shot}", "--dump-dom", page.as_uri()],
-        capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, _png_rgb(shot).astype(int)
+    dom = render(page, shot, height=1400)
+    return dom, _png_rgb(shot).astype(int)
 
 
 def test_browser_draws_both_histograms_and_the_dtype_bands(drawn):

@@ -145,18 +145,23 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.fixture(scope="module")
-def rendered(run_page):
+def render(page, shot, height: int = 3000) -> str:
+    """Load ``page`` in headless Chromium (skip without it), screenshot it to ``shot``; return the DOM."""
     browser = _chromium()
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
-    shot = run_page.parent / "shot.png"
     proc = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,3000",
-         "--virtual-time-budget=5000", f"--screenshot={shot}", "--dump-dom", run_page.as_uri()],
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size=1400,{height}",
+         "--virtual-time-budget=5000", f"--screenshot={shot}", "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, shot
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def rendered(run_page):
+    shot = run_page.parent / "shot.png"
+    return render(run_page, shot), shot
 
 
 def test_browser_draws_every_plot(rendered):
