@@ -221,10 +221,13 @@ def test_two_rank_fsdp_halt_names_modules_and_writes_a_sharded_checkpoint(tmp_pa
 
 
 COMPILE_SCRIPT = """
-import os, sys, torch
+import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {assets!r})
 import train_blocks as blocks
 from ampaudit.train import Trainer
+# One group for both trainers: joining a second default group in the same torchrun job can meet the first one's
+# stale rendezvous keys and wait forever.
+dist.init_process_group("gloo")
 runs = {{}}
 for compiled in (False, "aot_eager"):     # aot_eager: dynamo and AOTAutograd without inductor's codegen
     with Trainer(blocks.build_model(), blocks.loss_fn, blocks.train_data, optimizer=blocks.make_optimizer,
@@ -236,6 +239,8 @@ for compiled in (False, "aot_eager"):     # aot_eager: dynamo and AOTAutograd wi
 ok = all(torch.allclose(eager[k], state[k], rtol=1e-3, atol=1e-4) for k in eager)
 with open({out!r} + os.environ["RANK"], "w") as fh:
     print(ok, [round(a / b, 3) for a, b in zip(losses, eager_losses)], file=fh)
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
