@@ -231,7 +231,7 @@ dist.init_process_group("gloo")
 runs = {{}}
 for compiled in (False, "aot_eager"):     # aot_eager: dynamo and AOTAutograd without inductor's codegen
     with Trainer(blocks.build_model(), blocks.loss_fn, blocks.train_data, optimizer=blocks.make_optimizer,
-                 dtype="float16", accum=2, fsdp=True, compile=compiled, clip_norm=1.0, handle_signals=False,
+                 dtype="float16", accum=2, fsdp={fsdp}, compile=compiled, clip_norm=1.0, handle_signals=False,
                  trace={trace!r} if compiled else None, trace_every=2) as t:
         result = t.fit(steps=4)
         runs[compiled] = (result.losses, t.full_state_dict())
@@ -244,14 +244,16 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp_with_compile_trains_as_eager_fsdp(tmp_path):
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "ddp"])
+def test_compile_on_two_ranks_trains_as_eager(tmp_path, fsdp):
     script, trace = tmp_path / "compiled.py", tmp_path / "run.jsonl"
-    script.write_text(COMPILE_SCRIPT.format(assets=str(ASSETS), trace=str(trace), out=str(tmp_path / "rank")))
+    script.write_text(COMPILE_SCRIPT.format(assets=str(ASSETS), trace=str(trace), out=str(tmp_path / "rank"),
+                                            fsdp=fsdp))
     done = torchrun(str(script))
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "rank0").read_text().strip() == "True [1.0, 1.0, 1.0, 1.0]"
     events, problems = read_trace(trace)
-    assert not problems and events[0]["compile"] and events[0]["fsdp"]
+    assert not problems and events[0]["compile"] and events[0]["fsdp"] is fsdp
     root = [e for e in events if e["event"] == "stats" and e["module"] == "" and e["phase"] == "forward"]
     assert sum(e["passes"] for e in root) == 3 * 2      # steps 1, 2 and 4 eager, 2 micro-batches each
 
