@@ -70,3 +70,29 @@ def test_api_users_under_torchrun_need_only_the_with_block(tmp_path):
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text().strip() == "rank left world 2 steps 2"
+
+
+REJOIN_SCRIPT = """
+import os, sys, torch.distributed as dist
+sys.path.insert(0, {assets!r})
+import train_blocks as blocks
+from ampaudit.train import Trainer
+steps = []
+for fsdp in (False, True, False):   # each trainer joins the group torchrun describes and leaves it again
+    with Trainer(blocks.build_model(), blocks.loss_fn, blocks.train_data, optimizer=blocks.make_optimizer,
+                 dtype="bfloat16", fsdp=fsdp, handle_signals=False) as t:
+        steps.append(t.fit(steps=2).steps)
+    steps.append(dist.is_initialized())
+with open({out!r} + os.environ["RANK"], "w") as fh:
+    print(steps, file=fh)
+"""
+
+
+def test_trainers_in_sequence_each_join_and_leave_the_group(tmp_path):
+    # A second default group under torchrun's store keys would find the first one's stale addresses and hang.
+    script = tmp_path / "rejoin.py"
+    script.write_text(REJOIN_SCRIPT.format(assets=str(ASSETS), out=str(tmp_path / "rank")))
+    done = torchrun(str(script), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text().strip() == "[2, False, 2, False, 2, False]"

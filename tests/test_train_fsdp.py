@@ -225,9 +225,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {assets!r})
 import train_blocks as blocks
 from ampaudit.train import Trainer
-# One group for both trainers: joining a second default group in the same torchrun job can meet the first one's
-# stale rendezvous keys and wait forever.
-dist.init_process_group("gloo")
+dist.init_process_group("gloo")     # the trainers use it and leave it be (rejoining: test_train_ddp)
 runs = {{}}
 for compiled in (False, "aot_eager"):     # aot_eager: dynamo and AOTAutograd without inductor's codegen
     with Trainer(blocks.build_model(), blocks.loss_fn, blocks.train_data, optimizer=blocks.make_optimizer,

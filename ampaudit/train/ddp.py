@@ -40,13 +40,30 @@ class DistContext:
         return self.rank == 0
 
 
+_joins = 0      # default groups this process has joined through torchrun's store
+
+
+def _join(backend: str) -> None:
+    """Join the default group torchrun describes. A later join (a second Trainer in the same job, after the first
+    left) keys its rendezvous under a fresh prefix of torchrun's store: under the default keys it would find the
+    first group's stale addresses and wait forever. Every rank joins in the same order, so the prefixes match."""
+    global _joins
+    if _joins == 0:
+        dist.init_process_group(backend=backend)
+    else:
+        store, rank, world = next(dist.rendezvous("env://"))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"ampaudit-join-{_joins}", store),
+                                rank=rank, world_size=world)
+    _joins += 1
+
+
 def setup(device_type: str, *, group: bool = False) -> DistContext:
     """Join the process group torchrun describes, if any; return this process's context. ``group``: a single
     process needs one too (FSDP shards over a group, even of one), made in memory when torchrun made none."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 and group and dist.is_available() and not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+            _join("nccl" if device_type == "cuda" else "gloo")
         else:
             dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
         return DistContext(joined=True)
@@ -59,7 +76,7 @@ def setup(device_type: str, *, group: bool = False) -> DistContext:
     if joined:
         backend = "nccl" if device_type == "cuda" else "gloo"
         try:
-            dist.init_process_group(backend=backend)
+            _join(backend)
         except (RuntimeError, ValueError) as exc:
             raise TrainError(f"cannot join the {backend} process group: {' '.join(str(exc).split())[:200]}",
                              hint="launch with torchrun --nproc-per-node N") from exc
