@@ -183,7 +183,7 @@ from ampaudit.train import fsdp
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = train_blocks.build_model()
-fsdp.shard(model, dtype=torch.float16)
+fsdp.shard(model, fsdp.block_units(model), dtype=torch.float16)
 for p in model.parameters():
     p.grad = torch.zeros_like(p)
 up = model.blocks[2].up.weight                      # 64 rows: rank 0 holds 0-31, rank 1 rows 32-63

@@ -31,13 +31,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
+def nonfinite_flags(named_params: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor | None]:
+    """Names of the parameters that have a ``.grad``, and one bool per name: it holds inf or NaN (None: no
+    gradients). FSDP's sharded gradients are read in this process's shards only (no collective)."""
+    named = [(n, local(p.grad)) for n, p in named_params if p.grad is not None]
+    if not named:
+        return [], None
+    with torch.no_grad():
+        return [n for n, _ in named], torch.stack([~torch.isfinite(g).all() for _, g in named])
+
+
 def nonfinite_grads(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
     """``{"params", "modules"}`` of the parameters whose ``.grad`` holds inf or NaN. For FSDP's sharded
     gradients this process's shards are read (no collective: a watch on rank 0 alone must not wait for the
     others); :func:`ampaudit.train.fsdp.nonfinite_grads` joins every rank's."""
-    named = [(n, local(p.grad)) for n, p in named_params if p.grad is not None]
-    if not named:
-        return {"params": [], "modules": []}
-    with torch.no_grad():
-        flags = torch.stack([~torch.isfinite(g).all() for _, g in named])
-    return from_flags([n for n, _ in named], flags)
+    names, flags = nonfinite_flags(named_params)
+    return from_flags(names, flags) if flags is not None else {"params": [], "modules": []}

@@ -43,6 +43,18 @@ class DistContext:
 _joins = 0      # default groups this process has joined through torchrun's store
 
 
+def backend_for(device_type: str) -> str:
+    """The process-group backend for a device: nccl on CUDA, gloo on CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def collective_device() -> torch.device:
+    """Where tensors handed to the default group's collectives must live: nccl takes CUDA tensors only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _join(backend: str) -> None:
     """Join the default group torchrun describes. A later join (a second Trainer in the same job, after the first
     left) keys its rendezvous under a fresh prefix of torchrun's store: under the default keys it would find the
@@ -63,7 +75,7 @@ def setup(device_type: str, *, group: bool = False) -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 and group and dist.is_available() and not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            _join("nccl" if device_type == "cuda" else "gloo")
+            _join(backend_for(device_type))
         else:
             dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
         return DistContext(joined=True)
@@ -74,7 +86,7 @@ def setup(device_type: str, *, group: bool = False) -> DistContext:
                          hint="run without torchrun, or install a torch build with distributed support")
     joined = not dist.is_initialized()
     if joined:
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        backend = backend_for(device_type)
         try:
             _join(backend)
         except (RuntimeError, ValueError) as exc:
@@ -103,9 +115,7 @@ def mean_and_any(values: list[float], flag: bool, ctx: DistContext) -> tuple[lis
     """Average ``values`` over ranks and OR ``flag`` over ranks, in one all-reduce."""
     if not ctx.enabled:
         return values, flag
-    t = torch.tensor([*values, 1.0 if flag else 0.0], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    t = torch.tensor([*values, 1.0 if flag else 0.0], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     out = t.cpu().tolist()
     return [v / ctx.world_size for v in out[:-1]], out[-1] > 0

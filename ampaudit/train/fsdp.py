@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ampaudit.errors import UsageError
-from ampaudit.runtime.grads import from_flags, local
+from ampaudit.runtime.grads import from_flags, is_sharded as is_dtensor, local, nonfinite_flags
+from ampaudit.train.ddp import collective_device
 
 # Containers whose repeated children are a model's blocks (a transformer's layers, a ResNet stage's blocks).
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -89,19 +90,17 @@ def policy(dtype: torch.dtype, reduce_dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def shard(model: nn.Module, *, dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-          classes: Sequence[str] | None = None) -> list[str]:
-    """``fully_shard`` each block unit, then the root, in place; return the units' names (the root last, as "")."""
+def shard(model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, dtype: torch.dtype,
+          reduce_dtype: torch.dtype = torch.float32) -> None:
+    """``fully_shard`` each unit of :func:`block_units`, then the root, in place."""
     from torch.distributed.fsdp import fully_shard
 
     if not dist.is_initialized():
         raise UsageError("FSDP needs a process group", hint="launch with torchrun, or let the Trainer join one")
     mp = policy(dtype, reduce_dtype)
-    units = block_units(model, classes)
     for _, module in units:
         fully_shard(module, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    return [name for name, _ in units] + [""]
 
 
 def gradient_sync(model: nn.Module, boundary: bool) -> contextlib.AbstractContextManager:
@@ -120,9 +119,7 @@ def group_norms(groups: Sequence[Sequence[torch.Tensor]], norm_type: float) -> t
     ``DTensor.full_tensor()``: the functional collectives behind the latter occasionally abort a gloo process at
     exit ("terminate called without an active exception").
     """
-    from torch.distributed.tensor import DTensor
-
-    sharded = any(isinstance(t, DTensor) for group in groups for t in group)
+    sharded = any(is_dtensor(t) for group in groups for t in group)
     parts = []
     for group in groups:
         tensors = [local(t) for t in group if t.numel()]
@@ -142,15 +139,11 @@ def group_norms(groups: Sequence[Sequence[torch.Tensor]], norm_type: float) -> t
 def nonfinite_grads(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
     """``{"params", "modules"}`` whose gradient holds inf/NaN on any rank: each rank flags its shards, one
     all-reduce (MAX) joins them. Collective: every rank must call it with the same parameters."""
-    names = [n for n, p in named if p.grad is not None]
-    if not names:
+    names, flags = nonfinite_flags(named)
+    if flags is None:
         return {"params": [], "modules": []}
-    with torch.no_grad():
-        flags = torch.stack([(~torch.isfinite(local(p.grad))).any() for _, p in named if p.grad is not None])
-    flags = flags.to(torch.int32)
     if dist.is_initialized():
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        flags = flags.to(device)
+        flags = flags.to(torch.int32).to(collective_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return from_flags(names, flags.bool().cpu())
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
+from ampaudit.train.ddp import collective_device
 
 LOW = (torch.float16, torch.bfloat16)
 
@@ -152,9 +153,9 @@ def check_memory(predicted: dict[str, int], capacity: int | None) -> Check:
     msg = f"{_gib(total)} per rank predicted ({parts}; activations not included)"
     if capacity is None:
         return Check("memory", "ok", msg + "; device memory unknown")
-    limit = settings()["preflight"]["memory_fraction"] * capacity
-    if total > limit:
-        return Check("memory", "fail", f"{msg} exceeds {settings()['preflight']['memory_fraction']:.0%} of the "
+    fraction = settings()["preflight"]["memory_fraction"]
+    if total > fraction * capacity:
+        return Check("memory", "fail", f"{msg} exceeds {fraction:.0%} of the "
                      f"{_gib(capacity)} this rank has",
                      "shard with FSDP, add ranks, or use a smaller model / an optimizer with less state")
     return Check("memory", "ok", f"{msg} of {_gib(capacity)}")
@@ -165,14 +166,15 @@ def check_all_reduce(dtype: torch.dtype) -> Check:
     if not dist.is_initialized():
         return Check("all-reduce", "ok", "single process: no reduction")
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = collective_device()
     # Distinct per-rank values, exact in every dtype, with a large one that an overflow or a skipped divide shows.
     base = torch.tensor([1.0 + rank, 3.0 * rank, 1000.0, -0.5 * (rank + 1)], dtype=dtype, device=device)
     avg, total = base.clone(), base.clone()
     try:
         dist.all_reduce(avg, op=dist.ReduceOp.AVG)
     except (RuntimeError, ValueError) as exc:
-        return Check("all-reduce", "warn", f"{dist.get_backend()} has no AVG reduction ({str(exc).split(chr(10))[0][:80]})",
+        first = str(exc).split("\n")[0][:80]
+        return Check("all-reduce", "warn", f"{dist.get_backend()} has no AVG reduction ({first})",
                      "FSDP and DDP fall back to SUM and a divide on backends without AVG")
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     expect = total.float() / world
@@ -184,27 +186,30 @@ def check_all_reduce(dtype: torch.dtype) -> Check:
 
 
 def structure_checks(model: nn.Module, *, dtype: torch.dtype, world_size: int = 1, fsdp: bool = False,
-                     groups: dict[str, list[tuple[str, nn.Parameter]]] | None = None,
-                     opt_level: str = "O1") -> list[Check]:
-    """The checks of the model as loaded, before it is sharded (``fully_shard`` asserts on what they catch)."""
+                     units: Sequence[tuple[str, nn.Module]] = (), opt_level: str = "O1") -> list[Check]:
+    """The checks of the model as loaded, before it is sharded (``fully_shard`` asserts on what they catch);
+    ``units``: the FSDP units of :func:`ampaudit.train.fsdp.block_units`."""
+    from ampaudit.train.fsdp import unit_params
+
     checks = []
     if fsdp:
-        checks.append(check_groups(groups or {"": list(model.named_parameters())}))
+        checks.append(check_groups(unit_params(model, units)))
     if opt_level != "O2" or fsdp:
         checks.append(check_masters(model, dtype, world_size, fsdp=fsdp))
     return checks
 
 
 def resource_checks(model: nn.Module, *, dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-                    world_size: int = 1, accum: int = 1, fsdp: bool = False, units: Sequence[nn.Module] = (),
-                    opt_level: str = "O1", optimizer: torch.optim.Optimizer | None = None,
+                    world_size: int = 1, accum: int = 1, fsdp: bool = False,
+                    units: Sequence[tuple[str, nn.Module]] = (), opt_level: str = "O1",
+                    optimizer: torch.optim.Optimizer | None = None,
                     device: torch.device = torch.device("cpu")) -> list[Check]:
     """Reduction dtype, memory per rank and the all-reduce self-test. Collective (the all-reduce).
 
     ``model`` may already be sharded (a DTensor's ``numel`` is the whole tensor's)."""
     reduce_dtype = reduce_dtype if fsdp else torch.float32     # DDP reduces the fp32 gradients it is given
     predicted = predict_memory(model, dtype=dtype, reduce_dtype=reduce_dtype, world_size=world_size, accum=accum,
-                               fsdp=fsdp, units=units, opt_level=opt_level, optimizer=optimizer)
+                               fsdp=fsdp, units=[m for _, m in units], opt_level=opt_level, optimizer=optimizer)
     return [check_reduce(dtype, reduce_dtype, world_size), check_memory(predicted, device_memory(device)),
             check_all_reduce(reduce_dtype)]
 
@@ -218,7 +223,7 @@ def preflight_only(model: nn.Module, *, dtype: str | torch.dtype = "float16", op
     from ampaudit.dtypes import parse_train_dtype
     from ampaudit.train import ddp
     from ampaudit.train.data import resolve_device
-    from ampaudit.train.fsdp import block_units, unit_params
+    from ampaudit.train.fsdp import block_units
     from ampaudit.train.masters import check_opt_level
 
     dtype, reduce_dtype = parse_train_dtype(dtype), parse_train_dtype(reduce_dtype)
@@ -229,10 +234,10 @@ def preflight_only(model: nn.Module, *, dtype: str | torch.dtype = "float16", op
         units = block_units(model, fsdp_wrap) if fsdp else []
         params = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer(params) if callable(optimizer) and params else None
-        checks = structure_checks(model, dtype=dtype, world_size=ctx.world_size, fsdp=fsdp,
-                                  groups=unit_params(model, units), opt_level=opt_level)
+        checks = structure_checks(model, dtype=dtype, world_size=ctx.world_size, fsdp=fsdp, units=units,
+                                  opt_level=opt_level)
         checks += resource_checks(model, dtype=dtype, reduce_dtype=reduce_dtype, world_size=ctx.world_size,
-                                  accum=accum, fsdp=fsdp, units=[m for _, m in units], opt_level=opt_level,
+                                  accum=accum, fsdp=fsdp, units=units, opt_level=opt_level,
                                   optimizer=opt if isinstance(opt, torch.optim.Optimizer) else None, device=target)
         if ctx.is_main:
             for check in checks:

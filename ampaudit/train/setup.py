@@ -3,7 +3,7 @@
 Each function raises the one-line error a bad combination deserves, before anything is built or sharded:
 
     clip_mode, clip_max = check_options(opt_level="O1", accum=4, clip_norm=1.0, ...)
-    check_distributed(model, ctx, divergence_every=None, fp8_fallback=False, tracing=True)
+    check_distributed(synchronised_batchnorm(model, ctx), ctx, divergence_every=None, fp8_fallback=False, tracing=True)
     optimizer = build_optimizer(make_optimizer, params, lr=None, masters=False)
     enforce(trainer.preflight, ctx, checks)     # every rank stops when a check failed on any rank
 """
@@ -50,11 +50,15 @@ def check_options(*, opt_level: str, accum: int, clip_norm: float | None, clip_v
     return mode, threshold
 
 
-def check_distributed(model: nn.Module, ctx: ddp.DistContext, *, divergence_every: int | None, fp8_fallback: bool,
+def synchronised_batchnorm(model: nn.Module, ctx: ddp.DistContext) -> bool:
+    """Whether a forward of ``model`` talks to the other ranks: torch's SyncBatchNorm in a multi-rank run."""
+    return ctx.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
+def check_distributed(synced: bool, ctx: ddp.DistContext, *, divergence_every: int | None, fp8_fallback: bool,
                       tracing: bool) -> None:
-    """Refuse what rank 0 would do alone in a multi-rank run."""
-    if divergence_every is not None and ctx.world_size > 1 and any(
-            isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+    """Refuse what rank 0 would do alone in a multi-rank run (``synced``: :func:`synchronised_batchnorm`)."""
+    if divergence_every is not None and synced:
         # Rank 0 alone runs the FP32 shadow; a SyncBatchNorm in it would wait for the other ranks forever.
         raise UsageError("divergence checks cannot run on a distributed model with SyncBatchNorm",
                          hint="drop divergence_every, or check divergence in a single-process run")

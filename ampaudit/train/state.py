@@ -51,18 +51,16 @@ class TrainerState:
                 "accum": self.accum, "world_size": self.dist.world_size, "fsdp": self.fsdp}
 
     def _extra_state(self) -> dict[str, Any]:
-        """What a sharded checkpoint holds beside DCP's model and optimizer shards."""
+        """Everything but the weights and optimizer state: what a sharded checkpoint holds beside DCP's shards.
+        Collective (the RNG states are gathered)."""
         return {"step": self.step, "data": self._stream.position(), "scaler": self.scaler.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "rng": ddp.gather(capture_rng(), self.dist), "config": self._config()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bit-identical resume needs. Collective under DDP: every rank must call it."""
-        return {"step": self.step, "data": self._stream.position(), "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "masters": self.masters.state_dict() if self.masters is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "rng": ddp.gather(capture_rng(), self.dist), "config": self._config()}
+        return {**self._extra_state(), "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "masters": self.masters.state_dict() if self.masters is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (or checkpoint); the run must have the same dtype, opt level, accum, W."""
@@ -105,15 +103,13 @@ class TrainerState:
         if self.fsdp:       # every rank writes its shards; a pointer file makes the directory current
             path = save_sharded(self.model, self.optimizer, self._extra_state(), directory, Path(name).stem,
                                 step=self.step, is_main=self.dist.is_main)
-            if self.dist.is_main:
-                self.session.write("checkpoint", step=self.step, path=str(path))
-            return path if self.dist.is_main else None
-        state = self.state_dict()
-        path = None
-        if self.dist.is_main:
-            path = save_checkpoint(state, directory / name)
-            self.session.write("checkpoint", step=self.step, path=str(path))
-        ddp.barrier(self.dist)
+        else:
+            state = self.state_dict()
+            path = save_checkpoint(state, directory / name) if self.dist.is_main else None
+            ddp.barrier(self.dist)
+        if not self.dist.is_main:
+            return None
+        self.session.write("checkpoint", step=self.step, path=str(path))
         return path
 
     def has_checkpoint(self, name: str = LAST) -> bool:

@@ -57,7 +57,7 @@ from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level
 from ampaudit.train.preflight import Check, resource_checks, structure_checks
 from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
-from ampaudit.train.setup import build_optimizer, check_distributed, check_options, enforce
+from ampaudit.train.setup import build_optimizer, check_distributed, check_options, enforce, synchronised_batchnorm
 from ampaudit.train.signals import StopSignals
 from ampaudit.train.state import TrainerState
 
@@ -139,8 +139,9 @@ class Trainer(TrainerState):
         self._preflight = preflight and (self.fsdp or self.dist.enabled)
         units = fsdp_lib.block_units(model, fsdp_wrap) if self.fsdp else []
         if self._preflight:
-            enforce(self.preflight, self.dist, structure_checks(model, dtype=self.dtype, world_size=self.dist.world_size, fsdp=self.fsdp,
-                                         groups=fsdp_lib.unit_params(model, units), opt_level=self.opt_level))
+            enforce(self.preflight, self.dist, structure_checks(
+                model, dtype=self.dtype, world_size=self.dist.world_size, fsdp=self.fsdp, units=units,
+                opt_level=self.opt_level))
         if self.opt_level == "O2" and not self.fsdp:
             if self.dtype == torch.float32:
                 raise UsageError('opt level O2 needs dtype="float16" or dtype="bfloat16"',
@@ -153,10 +154,9 @@ class Trainer(TrainerState):
             model = convert_for_ddp(model, self.device, divergence_every=divergence_every,
                                     alone=lambda: self.session.replaying)   # rank 0's watch replays alone
         if self.fsdp:
-            self.units = fsdp_lib.shard(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype, classes=fsdp_wrap)
+            fsdp_lib.shard(model, units, dtype=self.dtype, reduce_dtype=self.reduce_dtype)
             self._eager_model = model
         else:
-            self.units = []
             self._eager_model = ddp.wrap(model, self.dist, self.device)
         self._compiled = bool(compile)
         backend = {"backend": compile} if isinstance(compile, str) else {}
@@ -172,39 +172,43 @@ class Trainer(TrainerState):
         if not params:
             raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
         self.optimizer = build_optimizer(optimizer, params, lr, masters=self.masters is not None)
+        factory = as_factory(train_data)
         # Scaled before the scheduler is built, so its base LRs are the scaled ones (ampaudit.train.lr).
-        self._lr_policy = LRPolicy.build(self.optimizer, as_factory(train_data), micro_batch=micro_batch,
+        self._lr_policy = LRPolicy.build(self.optimizer, factory, micro_batch=micro_batch,
                                          warmup_steps=warmup_steps, scale=scale_lr, base_batch=base_batch,
                                          accum=accum, world_size=self.dist.world_size)
         if self._lr_policy.active:
             self._meta.setdefault("lr_policy", self._lr_policy.describe())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         if self._preflight:
-            enforce(self.preflight, self.dist, resource_checks(model, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
-                                        world_size=self.dist.world_size, accum=accum, fsdp=self.fsdp, units=[m for _, m in units],
-                                        opt_level=self.opt_level, optimizer=self.optimizer, device=self.device))
+            enforce(self.preflight, self.dist, resource_checks(
+                model, dtype=self.dtype, reduce_dtype=self.reduce_dtype, world_size=self.dist.world_size,
+                accum=accum, fsdp=self.fsdp, units=units, opt_level=self.opt_level, optimizer=self.optimizer,
+                device=self.device))
         self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else scaler_for(
             loss_scale, self.dtype, self.device.type, max_consecutive_skips=max_consecutive_skips,
             **(scaler_options or {}))
         self._clip_groups = layer_groups(self._named) if self._clip_mode == "layer" else [params]
-        self._stream = DataStream(as_factory(train_data), accum=accum, rank=self.dist.rank,
+        self._stream = DataStream(factory, accum=accum, rank=self.dist.rank,
                                   world_size=self.dist.world_size)
         self.step = 0
         self._skips = SkipLog()
         self._saved_step: int | None = None
         self._signals = StopSignals(handle_signals)
-        check_distributed(model, self.dist, divergence_every=divergence_every, fp8_fallback=fp8_fallback,
+        synced = synchronised_batchnorm(model, self.dist)
+        check_distributed(synced, self.dist, divergence_every=divergence_every, fp8_fallback=fp8_fallback,
                           tracing=self._tracing)
         # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
         # no trace the session watches nothing (memory=False: no in-memory events either).
         # Replays rerun one pass on rank 0 alone: a sharded forward, or torch's (CUDA) SyncBatchNorm, would wait for
         # the other ranks, and under compile the watch has not seen the compiled passes it would replay.
-        synced = self.dist.world_size > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback,
                                     replays=not (self.fsdp or compile or synced), stats_every=1 if compile else None)
         # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
-        found = warn_small_batches(model, as_factory(train_data), micro_batch=micro_batch, accum=accum,
+        # The micro-batch the LR policy read from the data already, if it had to: train_data() is not read twice.
+        known = micro_batch if micro_batch is not None else self._lr_policy.micro_batch
+        found = warn_small_batches(model, factory, micro_batch=known, accum=accum,
                                    world_size=self.dist.world_size) if self.dist.is_main else None
         self.warnings: list[str] = [found] if found else []
         if found:
