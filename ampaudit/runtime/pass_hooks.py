@@ -13,7 +13,9 @@ the optimizer can step, so a replay sees this step's weights), or right after a 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -262,20 +264,27 @@ class PassHooks:
             # cost more than the rest of this path together.
             flag = p.flag if p.flag is not None else any_nonfinite(p.cheap_flags)
             bad = [("", "")] if flag else []
-        self._suspended = True
-        try:
+        with self.suspended():
             if p.probe is not None:
                 self._finish_divergence(p)
             if self._should_replay(bool(bad)):
                 self._replay(proactive=not bad)
-        finally:
-            self._suspended = False
         if bad and self.raise_on_nonfinite and self._pending_error is None:
             located = [e for e in self.events if e["event"] == "nonfinite" and e["step"] == self.step]
             what = _describe(located[0]) if located else f"inf/NaN in {', '.join(sorted({m for m, _ in bad}))}"
             self._pending_error = NonFiniteError(f"step {self.step}: {what}",
                                                  hint="see the nonfinite events of the trace; keep that "
                                                       "module in fp32 or use bf16")
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Hooks stand aside while the model runs for something other than a training pass: the watch's own FP32
+        shadow and locator replays, or the caller's evaluation."""
+        before, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = before
 
     @property
     def replaying(self) -> bool:

@@ -130,6 +130,8 @@ class WatchSession:
         self._losses: list[Any] = []
         self._norms: tuple[list[str], torch.Tensor | None, float] = ([], None, 1.0)
         self._params: list[tuple[str, nn.Parameter]] = []
+        self._sharded = False
+        self._first_step: int | None = None
         self.skips: list[dict] = []
         self._pauses: list[bool] = []
 
@@ -162,6 +164,9 @@ class WatchSession:
             append = append and path.is_file() and path.stat().st_size > 0
             self.writer, self._owns_writer = TraceWriter(path, append=append), True
         self._params = list(model.named_parameters())
+        # FSDP: rank 0's shards give no global gradient norm, and name only the inf/NaN they hold (end_step).
+        self._sharded = any(is_sharded(p) for _, p in self._params)
+        self._first_step = None
         if integration is not None:
             first = self._params[0][1] if self._params else None
             meta = {"integration": integration, "dtype": name_of(dtype),
@@ -191,6 +196,8 @@ class WatchSession:
         """Number what follows ``step``; the step's clock starts at its first micro-batch."""
         if self.watch is None:
             return
+        if self._first_step is None:
+            self._first_step = step
         if self._step != step or self._t0 is None:
             self._step, self._t0 = step, time.perf_counter()
             self._losses, self._norms = [], ([], None, 1.0)
@@ -204,7 +211,7 @@ class WatchSession:
         if self.watch is None:
             return False
         dv = self.divergence_every
-        return (step == self.watch.first_step or step % self.every == 0 or (dv is not None and step % dv == 0)
+        return (step == self._first_step or step % self.every == 0 or (dv is not None and step % dv == 0)
                 or (self.fp8 is not None and self.fp8.sampled(step)))
 
     def set_hooks(self, on: bool) -> None:
@@ -239,15 +246,13 @@ class WatchSession:
         losses = [x for x in losses if x is not None]
         names, norms, divisor = self._norms
         norm = None
-        # Sharded gradients: rank 0's shards give no global norm, and name only the inf/NaN they hold.
-        sharded = any(is_sharded(p.grad) for _, p in self._params if p.grad is not None)
-        if norms is not None and not sharded:
+        if norms is not None and not self._sharded:
             norm = float(torch.linalg.vector_norm(norms).item()) / divisor
         attribution = None
         if skipped:
             attribution = from_flags(names, ~torch.isfinite(norms)) if norms is not None else \
                 {"params": [], "modules": []}
-            scope = {"scope": "rank 0's shards"} if sharded else {}
+            scope = {"scope": "rank 0's shards"} if self._sharded else {}
             self.writer.write("skip", step=step, scale=scale, **attribution, **scope)
             self.skips.append({"step": step, **attribution})
         clipped: bool | None = False

@@ -27,9 +27,7 @@ Inputs must not be modified in place between forward and backward (they are kept
 """
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
@@ -132,7 +130,6 @@ class Watch(PassHooks):
         self._replays = 0
         self._replayed_interval: int | None = None
         self._pending_error: NonFiniteError | None = None
-        self.first_step: int | None = None
         self._handles: list[Any] = []
         self.set_hooks(True)
         if self._log.writes_meta:
@@ -161,8 +158,6 @@ class Watch(PassHooks):
 
     def set_step(self, step: int) -> None:
         """Number the following forwards/backwards ``step`` (else each forward counts as one step)."""
-        if self.first_step is None:
-            self.first_step = int(step)
         self._explicit_step = True
         if step != self.step:
             self._maybe_flush(step)
@@ -191,21 +186,9 @@ class Watch(PassHooks):
         self._emit("skip", scale=float(scale), params=bad, modules=modules)
         # The step was skipped, so the weights are still those of the pass that overflowed: replay it.
         if bad and not self._pass.open and self._should_replay(True):
-            self._suspended = True
-            try:
+            with self.suspended():
                 self._replay()
-            finally:
-                self._suspended = False
         return {"params": bad, "modules": modules}
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Run the model for something other than training (an evaluation) without the hooks recording it."""
-        before, self._suspended = self._suspended, True
-        try:
-            yield
-        finally:
-            self._suspended = before
 
     def flush(self) -> None:
         """Write ``stats`` events for the passes completed since the last flush."""
