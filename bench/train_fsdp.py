@@ -29,15 +29,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "assets"))
+sys.path.insert(0, str(ROOT / "bench"))        # train_overhead's rounds, train_memory's /proc reader
 TARGET = 1.03
 
 
 def _vm(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    from train_memory import _status_kib
+
+    return _status_kib(key) * 1024
 
 
 def _model(width: int, depth: int):
@@ -109,17 +108,12 @@ def trainer_loop(steps: int, width: int, depth: int, fsdp: bool = True) -> tuple
 def worker_time(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
+    from train_overhead import alternate
+
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    hand_loop(2, args.width, args.depth)         # warm-up
-    trainer_loop(2, args.width, args.depth)
-    rows = {"hand-written": {"wall": [], "cpu": []}, "trainer": {"wall": [], "cpu": []}}
-    order = (("hand-written", hand_loop), ("trainer", trainer_loop))
-    for r in range(args.rounds):
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            wall, cpu = fn(args.steps, args.width, args.depth)
-            rows[name]["wall"].append(wall)
-            rows[name]["cpu"].append(cpu)
+    rows = alternate({"hand-written": lambda n: hand_loop(n, args.width, args.depth),
+                      "trainer": lambda n: trainer_loop(n, args.width, args.depth)}, args.rounds, args.steps)
     dist.destroy_process_group()
     return rows
 

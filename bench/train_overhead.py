@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,20 +88,28 @@ def trainer_loop(mod, steps: int, dtype: torch.dtype, accum: int, clip: float) -
 DEFAULT_CONFIGS = "tiny:float16:1,tiny:float16:4,transformer:bfloat16:1"
 
 
+def alternate(loops: dict[str, Any], rounds: int, steps: int) -> dict[str, dict[str, list]]:
+    """Run each of ``loops`` (name -> ``fn(steps) -> (wall, CPU) seconds per step``) twice for warm-up
+    (first-call allocations, kernel selection), then ``rounds`` times, alternating which goes first so load from
+    other processes hits both alike; per loop, the wall and CPU values of each round."""
+    for fn in loops.values():
+        fn(2)
+    rows: dict[str, dict[str, list]] = {name: {"wall": [], "cpu": []} for name in loops}
+    order = list(loops.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            wall, cpu = fn(steps)
+            rows[name]["wall"].append(wall)
+            rows[name]["cpu"].append(cpu)
+    return rows
+
+
 def measure(model: str, dtype_name: str, accum: int, args: argparse.Namespace) -> dict[str, dict[str, list]]:
     """Per loop, wall and CPU seconds per step, one value per round (rounds alternate which loop goes first)."""
     dtype = parse_dtype(dtype_name)
     mod = load_model_file(model)
-    hand_loop(mod, 2, dtype, accum, args.clip)      # warm-up: first-call allocations, kernel selection
-    trainer_loop(mod, 2, dtype, accum, args.clip)
-    rows: dict[str, dict[str, list]] = {"hand-written": {"wall": [], "cpu": []}, "trainer": {"wall": [], "cpu": []}}
-    order = (("hand-written", hand_loop), ("trainer", trainer_loop))
-    for r in range(args.rounds):
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            wall, cpu = fn(mod, args.steps, dtype, accum, args.clip)
-            rows[name]["wall"].append(wall)
-            rows[name]["cpu"].append(cpu)
-    return rows
+    return alternate({"hand-written": lambda n: hand_loop(mod, n, dtype, accum, args.clip),
+                      "trainer": lambda n: trainer_loop(mod, n, dtype, accum, args.clip)}, args.rounds, args.steps)
 
 
 def main(argv: list[str] | None = None) -> int:
