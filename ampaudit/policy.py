@@ -57,6 +57,12 @@ def settings() -> dict:
 
 
 @lru_cache(maxsize=None)
+def devices() -> dict:
+    """rules/policy/devices.toml: which compute capability has which Tensor Cores, which CPU flags mean what."""
+    return read_toml(rules_dir() / "policy" / "devices.toml")
+
+
+@lru_cache(maxsize=None)
 def kernels() -> dict:
     """rules/policy/kernels.toml: what the kernels do with fp16/bf16 tensors (hazard per op, see the file)."""
     data = read_toml(rules_dir() / "policy" / "kernels.toml")

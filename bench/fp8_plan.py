@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import itertools
 import json
 import os
@@ -63,25 +62,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import ampaudit  # noqa: E402
 from ampaudit.planning.apply import apply_plan  # noqa: E402
+from ampaudit.planning.choose import misaligned_dims  # noqa: E402
 from ampaudit.planning.fp8 import config, import_torchao  # noqa: E402
 from llama_meta import build_llama  # noqa: E402
 from outlier_lm import MASSIVE, MASSIVE_UNIT, OUTLIER_BLOCKS, VOCAB, build_outlier_lm  # noqa: E402
+from outlier_lm import ct  # noqa: E402  (samples/char_transformer.py, loaded once, by outlier_lm)
 
 PLAN_TARGET_S = 30.0
 SAMPLE = ROOT / "samples" / "char_transformer.py"
 VARIANTS = ("bf16", "fp8-all", "plan")
 LLAMA = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=384, vocab=64)
 LLAMA_QUICK = dict(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=64)
-
-
-def _load_sample():
-    spec = importlib.util.spec_from_file_location("_bench_char_transformer", SAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ct = _load_sample()
 
 
 @dataclass
@@ -172,8 +163,7 @@ def bench_model(work: Workload, args: argparse.Namespace) -> dict:
     print(f"\n{work.name} ({work.describe})", flush=True)
     probe = work.build(args.seeds[0])
     layers = linears(probe)
-    misaligned = [f"{n} {m.in_features}->{m.out_features}" for n, m in layers.items()
-                  if m.in_features % 16 or m.out_features % 16]
+    misaligned = [f"{n} {m.in_features}->{m.out_features}" for n, m in layers.items() if misaligned_dims(m)]
     line = f"  fp8-all: all {len(layers)} nn.Linear (convert_to_float8_training, no module_filter_fn)"
     if misaligned:
         line += (f", including {', '.join(misaligned)}: not multiples of 16, which torch._scaled_mm on a GPU "

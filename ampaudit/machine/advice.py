@@ -14,7 +14,6 @@ rules/policy/devices.toml; nothing here is a number from a datasheet.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from typing import Any
 
 from ampaudit.machine.facts import EXTRAS, gather
@@ -32,18 +31,16 @@ def doctor() -> dict[str, Any]:
     return judge(gather())
 
 
-@lru_cache(maxsize=None)
 def _table() -> dict:
-    from ampaudit.policy import read_toml, rules_dir
+    from ampaudit.policy import devices
 
-    return read_toml(rules_dir() / "policy" / "devices.toml")
+    return devices()
 
 
-@lru_cache(maxsize=None)
-def _policy(device: str) -> dict:
-    from ampaudit.policy import read_toml, rules_dir
+def _policy(device: str):
+    from ampaudit.policy import Policy
 
-    return read_toml(rules_dir() / "policy" / f"{device}.toml")
+    return Policy.load(device, "bfloat16")
 
 
 def _check(id: str, status: str, message: str, fix: str | None = None, source: str | None = None) -> dict:
@@ -300,11 +297,11 @@ def _cpu_checks(cpu: dict, f: dict) -> list[dict]:
     # What torch.autocast("cpu") does, from the CPU policy table: which ops it lowers, and which precision-
     # sensitive ops it leaves in bf16 where CUDA's autocast would run them in fp32.
     policy, cuda = _policy("cpu"), _policy("cuda")
-    kept = set(policy.get("fp32", [])) | set(policy.get("fp32_output", []))
-    kept_cuda = set(cuda.get("fp32", [])) | set(cuda.get("fp32_output", []))
+    kept = {op for op, category in policy.table.items() if category in ("fp32", "fp32_output")}
+    kept_cuda = {op for op, category in cuda.table.items() if category in ("fp32", "fp32_output")}
     stay = [op for op in ("softmax", "layer_norm", "exp", "sum") if op in kept_cuda - kept]
     where = f", on {native['bf16'][0]} here" if native["bf16"] else ", emulated here"
-    out.append(_check("cpu.autocast", "note", f"torch.autocast('cpu') runs {len(policy.get('lower', []))} ops "
+    out.append(_check("cpu.autocast", "note", f"torch.autocast('cpu') runs {sum(c == 'lower' for c in policy.table.values())} ops "
                       f"(matmul, conv, linear) in bf16{where}; {', '.join(stay)} stay bf16 too (CUDA: fp32)",
                       "audit for it: ampaudit check model.py --device cpu --dtype bfloat16", table["bf16"]["source"]))
     return out

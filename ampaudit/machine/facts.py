@@ -88,9 +88,9 @@ def _gpus(torch) -> list[dict[str, Any]]:
 
 
 def _cpu(torch) -> dict[str, Any]:
-    from ampaudit.policy import read_toml, rules_dir
+    from ampaudit.policy import devices
 
-    table = read_toml(rules_dir() / "policy" / "devices.toml")["cpu"]
+    table = devices()["cpu"]
     named = {flag for spec in table.values() for flag in spec["flags"]}
     flags, model, source = _cpuinfo()
     if flags is None:

@@ -128,7 +128,6 @@ def choose_layer(measure: Any, *, budget: Budget, speed: dict | None = None, pad
         dims = ", ".join(f"{d} {getattr(measure, d)}" for d in misaligned)
         multiple = int(settings()["plan"]["fp8_multiple"])
         plan.reasons.append(f"{dims} not a multiple of {multiple} (--pad pads it without changing results)")
-        plan.float8_if_padded = misaligned
     for role, floor in (("output", budget.forward_db), *((r, budget.backward_db) for r in BACKWARD)):
         if role not in measure.metrics.get("float8", {}):
             continue                # no gradient reached this layer: its backward is not trained
@@ -150,8 +149,8 @@ def choose_layer(measure: Any, *, budget: Budget, speed: dict | None = None, pad
         # Few tokens or a narrow layer: the amax and cast passes cost more than the faster GEMMs save.
         plan.reasons.append(f"predicted {1 / speed['speedup']:.2f}x slower in fp8 ({speed['bound']}-bound at "
                             f"{measure.tokens} tokens)")
-    if len(plan.reasons) > (1 if plan.float8_if_padded else 0):
-        plan.float8_if_padded = None         # something besides alignment keeps it out
+    if misaligned and not pad and len(plan.reasons) == 1:
+        plan.float8_if_padded = misaligned   # alignment alone keeps it out
     if plan.reasons:
         plan.choice = "bfloat16"
     else:

@@ -60,8 +60,7 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
         finally:
             setattr(parent, attr, original)
         out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
-    torch.set_rng_state(rng)
-    return out
+    return out                      # the RNG state is rng again: each _grads ran in its own fork_rng
 
 
 def combined_sqnr(noises: Iterable[float]) -> float:

@@ -37,10 +37,9 @@ from ampaudit.wrappers import unwrap
 
 __all__ = ["Fp8Stats", "float8_linears"]
 
-# role, the Float8LinearConfig field that configures its cast, and the axiswise dim of the operand as torchao
-# holds it (input M x K and grad_output M x N along -1; the weight N x K along K, dim 0 of the W^T it casts).
-_ROLES = (("input", "cast_config_input"), ("weight", "cast_config_weight"),
-          ("grad_output", "cast_config_grad_output"))
+# The forward operands the hook casts: role and the Float8LinearConfig field that configures its cast
+# (grad_output's, cast_config_grad_output, is read where its gradient hook is registered).
+_ROLES = (("input", "cast_config_input"), ("weight", "cast_config_weight"))
 # What a layer's precision loss shows in: flushed activations or gradients (a weight's flush is its own init).
 _BUDGET_ROLES = ("input", "grad_output")
 
@@ -111,7 +110,7 @@ class Fp8Stats:
             cfg = mod.config
             pow2 = cfg.round_scales_to_power_of_2
             found = self._pending[name] = {}
-            for role, field in _ROLES[:2]:
+            for role, field in _ROLES:
                 cast = getattr(cfg, field)
                 if cast.scaling_type.value != "disabled":
                     found[role] = _cast(x if role == "input" else mod.weight, cast, pow2)
