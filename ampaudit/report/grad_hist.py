@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ampaudit.dtypes import by_name, name_of
+from ampaudit.report.trace_advice import init_scale_code
 from ampaudit.report.trace_summary import finite, num
 
 
@@ -52,18 +53,22 @@ def hist_row(ev: dict, step: int | None) -> dict | None:
 
 def dtype_range(dtype: Any) -> dict:
     """log2 of the dtype's smallest subnormal and normal, and ``floor(log2 max)``; float16 when unknown."""
+    from ampaudit.policy import DTypeLimits
+
     dt = by_name(dtype) if isinstance(dtype, str) else None
     if dt not in (torch.float16, torch.bfloat16, torch.float32):
         dt = torch.float16
-    fi = torch.finfo(dt)
-    return {"dtype": name_of(dt), "min_subnormal_log2": round(math.log2(fi.tiny * fi.eps)),
-            "min_normal_log2": round(math.log2(fi.tiny)), "max_log2": math.floor(math.log2(fi.max))}
+    lim = DTypeLimits.of(dt)
+    return {"dtype": name_of(dt), "min_subnormal_log2": round(math.log2(lim.subnormal)),
+            "min_normal_log2": round(math.log2(lim.normal)), "max_log2": math.floor(math.log2(lim.max))}
 
 
 def _leaves(modules: set[str]) -> set[str]:
-    def has_child(m: str) -> bool:
-        return any(o != m and (m == "" or o.startswith(m + ".")) for o in modules)
-    return {m for m in modules if not has_child(m)}
+    """The names without a child (another name below them after a dot); ``""`` is the parent of every other name."""
+    parents = {m[:i] for m in modules for i, c in enumerate(m) if c == "."}
+    if any(m != "" for m in modules):
+        parents.add("")
+    return modules - parents
 
 
 def _scale_log2(row: dict, steps: list[int], scales: list[float | None]) -> tuple[int, str]:
@@ -146,15 +151,16 @@ def run_histograms(data: Any) -> dict:
             "scaled_run": any(k != 0 for k in used)}
 
 
-def grad_hist_summary(data: Any, *, top: int = 5) -> dict | None:
-    """The summary's ``grad_hist`` section (see the module docstring); None when the trace has no histograms."""
+def grad_hist_summary(data: Any, *, top: int = 5, hists: dict | None = None) -> dict | None:
+    """The summary's ``grad_hist`` section (see the module docstring); None when the trace has no histograms.
+    ``hists``: :func:`run_histograms` of ``data`` when the caller has them already."""
     from ampaudit.policy import settings
 
     if not data.grad_hist:
         return None
     cfg = settings()["grad_hist"]
     rng = dtype_range(data.meta.get("dtype"))
-    h = run_histograms(data)
+    h = run_histograms(data) if hists is None else hists
     unscaled = shares(h["unscaled"], rng)
     counted = unscaled["values"] + h["zeros"]
     modules = []
@@ -223,9 +229,7 @@ def grad_hist_advice(summary: dict) -> dict | None:
                    f"loss scale 2^{now}: start it at 2^{k}")
     else:
         return None
-    device = str(summary.get("meta", {}).get("device") or "cuda").split(":")[0]
-    code = (f"ampaudit train ... --init-scale {2.0 ** k!r}" if summary.get("meta", {}).get("source") == "train"
-            else f"torch.amp.GradScaler({device!r}, init_scale={2.0 ** k!r})")
+    code = init_scale_code(summary, f"{2.0 ** k!r}", f"{2.0 ** k!r}")
     if not g["fits"]:
         message += ("; their range is wider than the dtype's, so bfloat16 (float32's exponent range) fits "
                     "them where the hardware supports it")

@@ -9,6 +9,8 @@ that rounds to zero, the subnormal band, the normal range and the overflow above
 """
 from __future__ import annotations
 
+import textwrap
+
 import plotly.graph_objects as go
 
 from ampaudit.report.grad_hist import describe, grad_hist_summary, run_histograms
@@ -22,22 +24,17 @@ NEAR_BITS = 32
 
 
 def _wrap(text: str, width: int = 120) -> str:
-    lines, line = [], ""
-    for word in text.split(" "):
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return "<br>".join(lines + [line])
+    return "<br>".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False))
 
 
 def grad_hist_figure(data: TraceData) -> go.Figure | None:
     """Histogram of log2|gradient| against the dtype's range (see the module docstring); None without data."""
-    g = grad_hist_summary(data)
-    if not g or not g["unscaled"]["values"]:
+    if not data.grad_hist:
         return None
     h = run_histograms(data)
+    g = grad_hist_summary(data, hists=h)
+    if not g or not g["unscaled"]["values"]:
+        return None
     unscaled = h["unscaled"]
     if g["scaled_run"]:
         shifted, label = h["measured"], f"with the run's loss scale (2^{g['scale_log2']})"

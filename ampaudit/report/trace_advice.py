@@ -106,6 +106,16 @@ def _keep_fp32(evidence: dict[str, list[str]]) -> dict | None:
             "code": f"ampaudit.keep_fp32(model, {json.dumps(modules)})"}
 
 
+def init_scale_code(summary: dict, flag: str, scaler: str) -> str:
+    """The line that sets the initial loss scale, given as ``flag`` to ``--init-scale`` and as ``scaler`` to
+    GradScaler (both formatted already): a run of `ampaudit train` takes the flag; a run watched in the user's own
+    loop uses torch's scaler."""
+    meta = summary.get("meta", {})
+    device = str(meta.get("device") or "cuda").split(":")[0]
+    return (f"ampaudit train ... --init-scale {flag}" if meta.get("source") == "train"
+            else f"torch.amp.GradScaler({device!r}, init_scale={scaler})")
+
+
 def _init_scale(summary: dict, data: Any) -> dict | None:
     rows = data.steps
     run = 0
@@ -119,10 +129,7 @@ def _init_scale(summary: dict, data: Any) -> dict | None:
     if reached is None:
         return None
     k = math.floor(math.log2(reached))
-    device = str(summary["meta"].get("device") or "cuda").split(":")[0]
-    # A run of `ampaudit train` takes the flag; a run watched in the user's own loop uses torch's scaler.
-    code = (f"ampaudit train ... --init-scale {2 ** k:g}" if summary["meta"].get("source") == "train"
-            else f"torch.amp.GradScaler({device!r}, init_scale={2.0 ** k:.1f})")
+    code = init_scale_code(summary, f"{2 ** k:g}", f"{2.0 ** k:.1f}")
     start = summary["scale"]["initial_log2"]
     began = f" from 2^{start:g}" if start is not None else ""
     return {"kind": "init_scale", "severity": "info", "init_scale": 2.0 ** k,

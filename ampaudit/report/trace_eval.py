@@ -73,21 +73,19 @@ def eval_summary(data: Any) -> dict:
     return {"count": len(rows), "dtype": rows[-1]["dtype"], "last": rows[-1], "beyond_noise": beyond}
 
 
-def _g(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4g}"
-
-
 def eval_advice(summary: dict) -> dict | None:
     """The recommendation when an evaluation under autocast differs from FP32 beyond noise, else None."""
     ev = summary.get("eval") or {}
     beyond = ev.get("beyond_noise") or []
     if not beyond:
         return None
+    from ampaudit.report.trace_console import fmt  # it imports rich, which the summary needs only here
+
     step = beyond[-1]["step"]
     flagged = [b for b in beyond if b["step"] == step]
     evals = len({b["step"] for b in beyond})
-    shown = ", ".join(f"{b['name']} {_g(b['autocast'])} vs {_g(b['fp32'])} (gap {b['gap']:+.3g}, noise "
-                      f"{_g(b['noise'])})" for b in flagged[:4])
+    shown = ", ".join(f"{b['name']} {fmt(b['autocast'], '.4g')} vs {fmt(b['fp32'], '.4g')} (gap {b['gap']:+.3g}, "
+                      f"noise {fmt(b['noise'], '.4g')})" for b in flagged[:4])
     dtype = ev.get("dtype") or "low-precision"
     return {"kind": "eval_gap", "severity": "warning", "steps": sorted({b["step"] for b in beyond}),
             "message": f"evaluation under {dtype} autocast differs from FP32 beyond noise on {evals} of "
@@ -100,6 +98,8 @@ def render_eval(ev: dict, console: Any) -> None:
     """The evaluation section of ``ampaudit report`` in the terminal: the last eval, and the gaps beyond noise."""
     from rich.markup import escape
 
+    from ampaudit.report.trace_console import fmt
+
     last = ev["last"]
     console.print(f"\n[bold]Evaluation[/] ({ev['count']} evals, {escape(str(ev.get('dtype') or '?'))} autocast | "
                   f"FP32; last at step {last['step']}, {int(last['samples'] or 0)} samples)")
@@ -107,8 +107,8 @@ def render_eval(ev: dict, console: Any) -> None:
     for name, q in last["quantities"].items():
         mark = "[yellow]![/]" if (last["step"], name) in flagged else " "
         gap = "-" if q["gap"] is None else f"{q['gap']:+.3g}"
-        console.print(f"  {mark} {escape(name)}: {_g(q['autocast'])} | {_g(q['fp32'])}  gap {gap}  "
-                      f"noise {_g(q['noise'])}")
+        console.print(f"  {mark} {escape(name)}: {fmt(q['autocast'], '.4g')} | {fmt(q['fp32'], '.4g')}  gap {gap}  "
+                      f"noise {fmt(q['noise'], '.4g')}")
 
 
 __all__ = ["eval_advice", "eval_row", "eval_summary", "judge", "render_eval", "thresholds"]

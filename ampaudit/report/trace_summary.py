@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ampaudit.runtime.trace import READABLE_VERSIONS, jsonable, read_trace
+from ampaudit.runtime.trace import TRACE_VERSION, jsonable, read_trace
 
 SUMMARY_VERSION = 1
 
@@ -117,6 +117,7 @@ def collect(events: Iterable[dict]) -> TraceData:
     """Group events by kind. A step event without a step number gets the previous one plus one."""
     from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
     from ampaudit.report.trace_eval import eval_row
+    from ampaudit.report.grad_hist import hist_row
 
     data = TraceData()
     last_step = 0
@@ -165,8 +166,6 @@ def collect(events: Iterable[dict]) -> TraceData:
                 "modules": [m for m in mods if isinstance(m, str)] if isinstance(mods, list) else [],
                 "params": [p for p in params if isinstance(p, str)] if isinstance(params, list) else []})
         elif kind == "grad_hist":
-            from ampaudit.report.grad_hist import hist_row
-
             row = hist_row(ev, step)
             if row is not None:
                 data.grad_hist.append(row)
@@ -344,8 +343,8 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
     version = data.meta.get("version")
-    if isinstance(version, int) and version > max(READABLE_VERSIONS):
-        problems.append(f"trace version {version} is newer than this ampaudit reads ({max(READABLE_VERSIONS)}): "
+    if isinstance(version, int) and version > TRACE_VERSION:
+        problems.append(f"trace version {version} is newer than this ampaudit reads ({TRACE_VERSION}): "
                         "events it does not know are left out")
     top = max(1, int(top))
     first_nonfinite, nonfinite = _nonfinite_summary(data)

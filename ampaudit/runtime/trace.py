@@ -33,10 +33,10 @@ from typing import IO, Any
 
 from ampaudit.errors import TraceError
 
+# Also the newest version ampaudit report reads (it reads 1 too); a newer trace is read as far as it is known.
 TRACE_VERSION = 2
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
 BULK_EVENTS = frozenset({"stats", "grad_hist"})
-READABLE_VERSIONS = (1, 2)    # what ampaudit report reads; a newer trace is read as far as it is known
 
 
 def jsonable(value: Any) -> Any:
