@@ -72,7 +72,7 @@ def warn_small_batches(model: nn.Module, factory: Callable[[], Iterable], *, mic
     layers = batchnorm_layers(model)
     if not layers:
         return None
-    from ampaudit.train.lr import first_batch_size
+    from ampaudit.train.data import first_batch_size
 
     size = micro_batch if micro_batch is not None else first_batch_size(factory)
     message = small_batch_warning(layers, micro_batch=size, accum=accum, world_size=world_size)

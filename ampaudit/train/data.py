@@ -1,4 +1,4 @@
-"""The training-data stream: epochs, accumulation windows, the rank split, and a resumable position.
+"""The training-data stream: epochs, accumulation windows, the rank split, a resumable position, the micro-batch size.
 
 ``train_data()`` from the model file is called once per epoch and read in order. An optimizer step consumes one
 *window* of ``world_size * accum`` consecutive batches; rank ``r`` takes batches ``r, r+W, r+2W, ...`` of it, so
@@ -123,6 +123,40 @@ def split_batch(batch: Any, device: torch.device) -> tuple[tuple, dict, Any]:
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}, target
     return (inputs,), {}, target
+
+
+def batch_size(batch: Any) -> int:
+    """The micro-batch size of a ``(inputs, target)`` pair: the leading dimension of its first tensor."""
+    def first(value: Any) -> torch.Tensor | None:
+        if isinstance(value, torch.Tensor):
+            return value if value.dim() > 0 else None
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+        for item in items:
+            found = first(item)
+            if found is not None:
+                return found
+        return None
+
+    found = first(batch)
+    if found is None:
+        raise TrainError("cannot tell the micro-batch size: the first batch of train_data() holds no batched tensor",
+                         hint="pass micro_batch=N to the Trainer, or drop scale_lr")
+    return int(found.shape[0])
+
+
+def first_batch_size(factory: Any) -> int:
+    """The micro-batch size of the first batch ``factory()`` yields (read once, before training starts; the RNG
+    states are restored after it, so a ``train_data`` drawing from the global generators trains as it would)."""
+    from ampaudit.train.checkpoint import capture_rng, restore_rng
+
+    rng = capture_rng()
+    try:
+        batch = next(iter(factory()), None)
+    finally:
+        restore_rng(rng)
+    if batch is None:
+        raise TrainError("train_data() yielded no batches", hint="make it yield (inputs, target) pairs")
+    return batch_size(batch)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -34,7 +34,7 @@ from ampaudit.dtypes import name_of
 from ampaudit.errors import TrainError, UsageError
 from ampaudit.train.checkpoint import capture_rng, restore_rng
 from ampaudit.train.data import as_factory, split_batch
-from ampaudit.train.lr import batch_size
+from ampaudit.train.data import batch_size
 
 PASSES = ("autocast", "fp32")
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ampaudit.errors import TrainError, UsageError
+from ampaudit.errors import UsageError
+from ampaudit.train.data import batch_size, first_batch_size  # noqa: F401  (batch_size: re-exported)
 
 RULES = ("linear", "sqrt")
 
@@ -41,40 +42,6 @@ def warmup_factor(taken: int, warmup_steps: int) -> float:
     if warmup_steps <= 0 or taken >= warmup_steps:
         return 1.0
     return (taken + 1) / warmup_steps
-
-
-def batch_size(batch: Any) -> int:
-    """The micro-batch size of a ``(inputs, target)`` pair: the leading dimension of its first tensor."""
-    def first(value: Any) -> torch.Tensor | None:
-        if isinstance(value, torch.Tensor):
-            return value if value.dim() > 0 else None
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-        for item in items:
-            found = first(item)
-            if found is not None:
-                return found
-        return None
-
-    found = first(batch)
-    if found is None:
-        raise TrainError("cannot tell the micro-batch size: the first batch of train_data() holds no batched tensor",
-                         hint="pass micro_batch=N to the Trainer, or drop scale_lr")
-    return int(found.shape[0])
-
-
-def first_batch_size(factory: Any) -> int:
-    """The micro-batch size of the first batch ``factory()`` yields (read once, before training starts; the RNG
-    states are restored after it, so a ``train_data`` drawing from the global generators trains as it would)."""
-    from ampaudit.train.checkpoint import capture_rng, restore_rng
-
-    rng = capture_rng()
-    try:
-        batch = next(iter(factory()), None)
-    finally:
-        restore_rng(rng)
-    if batch is None:
-        raise TrainError("train_data() yielded no batches", hint="make it yield (inputs, target) pairs")
-    return batch_size(batch)
 
 
 class LRPolicy:
