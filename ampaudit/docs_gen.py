@@ -80,7 +80,7 @@ def _source_fix(rule: Rule) -> str:
 
     from ampaudit.sourcefix.registry import load_builtin_fixers
 
-    sf = rule.param("source_fix", {"kind": "none"})
+    sf = rule.source_fix
     kind = sf.get("kind", "none")
     head = "`ampaudit fix --diff` / `--write`: "
     if kind == "none":

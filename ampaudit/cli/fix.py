@@ -43,16 +43,11 @@ def fix(
                          hint="e.g. ampaudit fix model.py --diff")
     if unsafe_fixes:
         raise UsageError("--unsafe-fixes applies to --diff/--write", hint="add --diff or --write")
-    from ampaudit.config import load_config
     from ampaudit.loading import _pick_entry, load_target
-    from ampaudit.policy import Policy
     from ampaudit.rewrite.api import fix as run_fix
     from ampaudit.rewrite.writer import check_outdir, write_outdir
 
-    cfg = load_config(start=Path(target).parent if target.endswith(".py") else None)
-    device = device or cfg.get("device", "cuda")
-    dtype = dtype or cfg.get("dtype", "float16")
-    Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
+    cfg, device, dtype = _settings(target, device, dtype)  # bad --device/--dtype fail before the model file runs
     check_outdir(output)        # and so does an OUTDIR we must not overwrite
     loaded = load_target(target, entry=entry, inputs=input)
     entry_name, _ = _pick_entry(loaded.namespace, entry or (target.partition(":")[2] if loaded.path is None else None) or None,
@@ -66,13 +61,24 @@ def fix(
     typer.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
 
 
+def _settings(target: str, device: str | None, dtype: str | None) -> tuple[dict, str, str]:
+    """The project config near ``target``, and the device and dtype (the options, else the config's, else
+    cuda/float16), checked against the policy tables."""
+    from ampaudit.config import load_config
+    from ampaudit.policy import Policy
+
+    cfg = load_config(start=Path(target).parent if target.endswith(".py") else None)
+    device = device or cfg.get("device", "cuda")
+    dtype = dtype or cfg.get("dtype", "float16")
+    Policy.load(device, dtype)
+    return cfg, device, dtype
+
+
 def _fix_source(target: str, *, entry, input, device, dtype, select, ignore, calibrate, no_verify, diff, write,
                 unsafe, fmt, output, pad) -> None:
     """--diff / --write: plan, verify, print the diff or write the files, print the summary."""
     import json
 
-    from ampaudit.config import load_config
-    from ampaudit.policy import Policy
     from ampaudit.sourcefix.api import fix_source
 
     if diff and write:
@@ -82,10 +88,7 @@ def _fix_source(target: str, *, entry, input, device, dtype, select, ignore, cal
                          "--diff/--write", hint="run them separately")
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
-    cfg = load_config(start=Path(target).parent if target.endswith(".py") else None)
-    device = device or cfg.get("device", "cuda")
-    dtype = dtype or cfg.get("dtype", "float16")
-    Policy.load(device, dtype)
+    cfg, device, dtype = _settings(target, device, dtype)
     result = fix_source(target, entry=entry, inputs=input, device=device, dtype=dtype,
                         select=split_list(select) or cfg.get("select"), ignore=split_list(ignore) or cfg.get("ignore"),
                         rules_dirs=cfg.get("rules", []), calibrate=calibrate, unsafe=unsafe, verify=not no_verify)

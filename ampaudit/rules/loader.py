@@ -55,6 +55,12 @@ class Rule:
         """``{"kind": ..., "safety": ..., **fixer parameters}``; kind "none" when fix leaves the rule alone."""
         return self.params.get("autofix", {"kind": "none"})
 
+    @property
+    def source_fix(self) -> dict:
+        """``{"kind": ..., "safety": ..., **fixer parameters}`` for ``fix --diff/--write``; kind "none" when it
+        leaves the rule's findings alone."""
+        return self.params.get("source_fix", {"kind": "none"})
+
     def variant(self, name: str | None) -> dict:
         """The overrides of variant ``name`` (``{}`` for None or a name the rule does not define)."""
         return self.params.get("variants", {}).get(name, {}) if name else {}

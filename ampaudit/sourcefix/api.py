@@ -20,7 +20,7 @@ from typing import Sequence
 
 from ampaudit.findings import SEVERITY_RANK
 from ampaudit.sourcefix.driver import MODULE_KIND, Plan, named_rules, plan_edits, source_fix_of, wanted
-from ampaudit.sourcefix.verify import Mirror, SourceVerification, load_mirror, verify_sources
+from ampaudit.sourcefix.verify import Mirror, SourceVerification, audit_with, load_mirror, verify_sources
 
 SOURCE_FIX_VERSION = "1.0"
 
@@ -121,7 +121,6 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
                verify: bool = True) -> SourceFixResult:
     """Plan, and unless ``verify=False`` verify, the source edits for ``target`` (a model file or pkg.mod:factory).
     Warnings and errors are fixed; info findings too for the rules ``select`` names by id or name."""
-    from ampaudit.api import audit
     from ampaudit.loading import load_target
     from ampaudit.rules.loader import load_rules
 
@@ -133,9 +132,7 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
     import copy
 
     original = copy.deepcopy(loaded.model)
-    aud = audit(loaded.model, *loaded.args, device=device, dtype=dtype, select=select, ignore=ignore,
-                rules_dirs=rules_dirs, target=target, capture_mode="auto", calibrate=calibrate,
-                loss_fn=loaded.hook("loss_fn") if calibrate else None, **loaded.kwargs)
+    aud = audit_with(loaded.model, loaded, loaded, settings)
     named = named_rules(rules, select)
     plan = plan_edits(aud, loaded.model, rules, args=loaded.args, kwargs=loaded.kwargs, unsafe=unsafe, named=named)
     result = SourceFixResult(target=target, policy=aud.policy.describe(), plan=plan)
@@ -167,11 +164,7 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
         with Mirror(plan.changed, target) as mirror:
             fixed, error = load_mirror(mirror, target, entry, inputs)
             if fixed is not None:
-                from ampaudit.api import audit as audit2
-
-                aud2 = audit2(fixed.model, *loaded.args, device=device, dtype=dtype, select=select, ignore=ignore,
-                              rules_dirs=rules_dirs, target=target, capture_mode="auto", calibrate=True,
-                              loss_fn=fixed.hook("loss_fn"), **loaded.kwargs)
+                aud2 = audit_with(fixed.model, loaded, fixed, settings)   # settings["calibrate"] is True here
                 second = plan_edits(aud2, fixed.model, rules, args=loaded.args, kwargs=loaded.kwargs,
                                     texts=plan.changed, unsafe=unsafe, canon=mirror.canon, named=named,
                                     only=lambda f: (f.rule, f.module) in again and source_fix_of(

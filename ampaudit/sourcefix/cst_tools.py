@@ -91,18 +91,7 @@ class Source:
 
     def replace(self, mapping: dict[cst.CSTNode, cst.CSTNode]) -> str:
         """The source with each key node replaced by its value (by identity); the rest printed as it was."""
-        return self.module.visit(_Replace(mapping)).code
-
-
-class _Replace(cst.CSTTransformer):
-    def __init__(self, mapping: dict):
-        super().__init__()
-        self.mapping = mapping
-
-    def on_leave(self, original_node, updated_node):
-        if original_node in self.mapping:
-            return self.mapping[original_node]
-        return updated_node
+        return self.module.visit(ReplaceNodes(mapping)).code
 
 
 def callee_name(call: cst.Call) -> str | None:
@@ -139,12 +128,6 @@ def is_simple(expr: cst.BaseExpression) -> bool:
     if isinstance(expr, cst.Name):
         return True
     return isinstance(expr, cst.Attribute) and is_simple(expr.value)
-
-
-def tensor_args(call: cst.Call) -> list[cst.Arg]:
-    """The call's arguments in fx order: the receiver of a method call first (as an Arg), then its own."""
-    recv = receiver(call)
-    return ([cst.Arg(recv)] if recv is not None else []) + list(call.args)
 
 
 def _atom(expr: cst.BaseExpression) -> cst.BaseExpression:
@@ -197,7 +180,7 @@ def with_keyword(call: cst.Call, name: str, value: cst.BaseExpression) -> cst.Ca
             return call.with_changes(args=args)
     if args:
         last = args[-1]
-        if last.comma is cst.MaybeSentinel.DEFAULT or isinstance(last.comma, cst.MaybeSentinel):
+        if isinstance(last.comma, cst.MaybeSentinel):
             args[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
         new = cst.Arg(value=value, keyword=cst.Name(name),
                       equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),

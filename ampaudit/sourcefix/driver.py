@@ -22,7 +22,7 @@ from ampaudit.errors import RuleError
 from ampaudit.findings import SEVERITY_RANK, Finding
 from ampaudit.rules.engine import ignores
 from ampaudit.sourcefix.cst_tools import Source
-from ampaudit.sourcefix.registry import Edit, FixContext, Refusal, load_builtin_fixers
+from ampaudit.sourcefix.registry import Edit, FixContext, Refusal, keep_fp32_instead, load_builtin_fixers
 
 # The measured rules' fixer: the module runs in fp32. It waits when a static fix in the same module may already
 # remove the fault (verification then measures again and runs it only if the fault is still there).
@@ -68,7 +68,7 @@ def named_rules(rules, select) -> frozenset[str]:
 
 
 def source_fix_of(rule) -> dict:
-    return rule.params.get("source_fix", {"kind": "none"}) if rule is not None else {"kind": "none"}
+    return rule.source_fix if rule is not None else {"kind": "none"}
 
 
 def check_kinds(rules) -> None:
@@ -195,8 +195,7 @@ def _instances(model: nn.Module, path: str) -> set[str]:
 def _same_code(model: nn.Module, path: str) -> set[str]:
     """The modules a source edit in ``path``'s code reaches: every instance of its class, and their ancestors
     (a measured fault of a parent may be the child's)."""
-    mod = _module(model, path)
-    paths = {p for p, m in model.named_modules() if mod is not None and type(m) is type(mod)} | {path}
+    paths = _instances(model, path)
     out = set(paths)
     for p in paths:
         parts = p.split(".") if p else []
@@ -244,8 +243,7 @@ def _touches_ignored(src: Source, edit: Edit, names: tuple[str, ...]) -> bool:
 def _library_instead(f: Finding, kind: str) -> str:
     if kind == "pad_to_multiple":
         return "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad"
-    return (f"ampaudit.keep_fp32(model, ['{f.module or '<module>'}']) in your code, or the graph rewrite "
-            "(ampaudit fix -o DIR)")
+    return keep_fp32_instead(f.module, " in your code,")
 
 
 def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -> dict:

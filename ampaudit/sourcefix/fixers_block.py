@@ -20,7 +20,7 @@ import libcst as cst
 
 from ampaudit.sourcefix.cst_tools import (ReplaceNodes, autocast_off, callee_name, contains, is_autocast_off,
                                           is_simple, upcast)
-from ampaudit.sourcefix.registry import FixContext, source_fixer
+from ampaudit.sourcefix.registry import FixContext, keep_fp32_instead, source_fixer
 
 COMMENT = "# fp32 under autocast ({rule}): {why}"
 
@@ -38,8 +38,8 @@ def _comment(ctx: FixContext, why: str) -> cst.EmptyLine:
     return cst.EmptyLine(comment=cst.Comment(COMMENT.format(rule=ctx.finding.rule, why=why)))
 
 
-def _inside_autocast_off(ctx: FixContext, node: cst.CSTNode, src=None) -> bool:
-    src = src or ctx.src
+def _inside_autocast_off(ctx: FixContext, node: cst.CSTNode) -> bool:
+    src = ctx.src
     cur = src.parent.get(node)
     while cur is not None:
         if is_autocast_off(cur):
@@ -94,7 +94,7 @@ def wrap_statement(ctx: FixContext, expr: cst.CSTNode, inner: dict, why: str):
 
 
 def _keep(ctx: FixContext) -> str:
-    return f"ampaudit.keep_fp32(model, ['{ctx.finding.module or '<module>'}']) or the graph rewrite (ampaudit fix -o DIR)"
+    return keep_fp32_instead(ctx.finding.module)
 
 
 def _class_file(cls: type) -> str | None:

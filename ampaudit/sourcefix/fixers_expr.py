@@ -13,13 +13,11 @@ from ampaudit.sourcefix.cst_tools import (FP32_MATCHER, ReplaceNodes, Source, ca
                                           fp32_dtype, is_simple, is_upcast, keyword_value, method, receiver, upcast,
                                           with_keyword)
 from ampaudit.sourcefix.locate import Spot, is_literal, locate, low_operands
-from ampaudit.sourcefix.registry import FixContext, Refusal, source_fixer
-
-KEEP_FP32 = "ampaudit.keep_fp32(model, ['{module}']) or the graph rewrite (ampaudit fix -o DIR)"
+from ampaudit.sourcefix.registry import FixContext, Refusal, keep_fp32_instead, source_fixer
 
 
 def _instead(ctx: FixContext) -> str:
-    return KEEP_FP32.format(module=ctx.finding.module or "<module>")
+    return keep_fp32_instead(ctx.finding.module)
 
 
 def _not_found(ctx: FixContext, what: str) -> Refusal:

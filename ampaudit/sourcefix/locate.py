@@ -48,9 +48,7 @@ def op_names(node: fx.Node | None, fallback: str) -> tuple[str, str]:
     if getattr(operator, getattr(target, "__name__", ""), None) is target:
         return "operator", target.__name__
     opname = getattr(target, "_opname", None) or getattr(target, "__name__", "") or fallback
-    if opname in BINARY_OPS and fallback in BINARY_OPS:
-        return "any", opname      # aten.mul: an operator or torch.mul in the source
-    return "any", opname
+    return "any", opname          # aten.mul: an operator or torch.mul in the source
 
 
 def _spots_for(src, line: int, style: str, name: str) -> list[Spot]:

@@ -17,8 +17,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import libcst as cst
-
 from ampaudit.findings import Finding
 from ampaudit.sourcefix.cst_tools import Source
 
@@ -129,5 +127,7 @@ def load_builtin_fixers() -> dict[str, SourceFixer]:
     return SOURCE_FIXERS
 
 
-def first(nodes: list[cst.CSTNode]) -> cst.CSTNode | None:
-    return nodes[0] if nodes else None
+def keep_fp32_instead(module: str | None, where: str = "") -> str:
+    """What to do instead of an edit fix will not make: keep ``module`` in fp32 (``where``: e.g. " in your code,"),
+    or the graph rewrite."""
+    return f"ampaudit.keep_fp32(model, ['{module or '<module>'}']){where} or the graph rewrite (ampaudit fix -o DIR)"

@@ -22,11 +22,14 @@ from typing import Any
 from ampaudit.errors import AmpAuditError
 from ampaudit.findings import SEVERITY_RANK
 
-# Autocast error "no worse": the edited model's max relative error may exceed the original's by one unit
-# roundoff of the dtype (2**-11 for fp16, 2**-8 for bf16): a difference that small is where one rounding lands,
-# not a loss of accuracy (an fp32 block hands the next fp16 layer differently rounded inputs).
-def unit_roundoff(dtype_name: str) -> float:
-    return {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}.get(dtype_name, 2.0 ** -8)
+
+def _low(dtype_name: str):
+    """The torch dtype of a reduced-precision name (bfloat16 for a name policy.DTYPES lacks)."""
+    import torch
+
+    from ampaudit.policy import DTYPES
+
+    return DTYPES.get(dtype_name, torch.bfloat16)
 
 
 class Mirror:
@@ -98,8 +101,13 @@ class SourceVerification:
 
     @property
     def amp_no_worse(self) -> bool:
+        # The edited model's max relative error may exceed the original's by one unit roundoff of the dtype
+        # (2**-11 for fp16, 2**-8 for bf16): a difference that small is where one rounding lands, not a loss of
+        # accuracy (an fp32 block hands the next fp16 layer differently rounded inputs).
+        from ampaudit.policy import unit_roundoff
+
         return self.outputs is not None and not worse(self.outputs.after, self.outputs.before,
-                                                      unit_roundoff(self.outputs.dtype))
+                                                      unit_roundoff(_low(self.outputs.dtype)))
 
     @property
     def amp_better(self) -> bool:
@@ -193,9 +201,6 @@ def verify_sources(mirror: Mirror, loaded, fixed, original_model, *, settings: d
                    faults: bool, unsafe: bool, wanted) -> tuple[SourceVerification, Any]:
     """Compare ``fixed`` (a LoadedTarget from the mirror) with the original; returns the verification and the
     edited model's audit (for a second round of fixes)."""
-    import torch
-
-    from ampaudit.api import audit
     from ampaudit.rewrite.verify import runtime_device, verify_outputs
 
     v = SourceVerification(loads=True, fixed_rules=sorted(fixed_rules), faults=faults, unsafe=unsafe)
@@ -205,15 +210,23 @@ def verify_sources(mirror: Mirror, loaded, fixed, original_model, *, settings: d
     except RuntimeError as exc:
         v.weights = "the edited model's weights differ in shape (" + " ".join(str(exc).split())[:120] + ")"
     device_type = runtime_device(original_model)
-    low = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(settings["dtype"], torch.bfloat16)
-    v.outputs = verify_outputs(original_model, model, loaded.args, loaded.kwargs, device_type=device_type, dtype=low)
-    aud = audit(model, *loaded.args, device=settings["device"], dtype=settings["dtype"], select=settings["select"],
-                ignore=settings["ignore"], rules_dirs=settings["rules_dirs"], target=settings["target"],
-                capture_mode="auto", calibrate=settings["calibrate"],
-                loss_fn=fixed.hook("loss_fn") if settings["calibrate"] else None, **loaded.kwargs)
+    v.outputs = verify_outputs(original_model, model, loaded.args, loaded.kwargs, device_type=device_type,
+                               dtype=_low(settings["dtype"]))
+    aud = audit_with(model, loaded, fixed, settings)
     v.remaining = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message,
                     "file": mirror.canon(f.location["file"]) if f.location else None,
                     "line": f.location["line"] if f.location else None}
                    for f in aud.report.findings if f.rule in fixed_rules and wanted(f)
                    and SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"]]
     return v, aud
+
+
+def audit_with(model, loaded, hooks, settings: dict):
+    """``ampaudit.api.audit`` of ``model`` on ``loaded``'s example inputs, under fix's ``settings``; a calibrated
+    audit takes its loss_fn from ``hooks`` (the LoadedTarget the model came from)."""
+    from ampaudit.api import audit
+
+    return audit(model, *loaded.args, device=settings["device"], dtype=settings["dtype"], select=settings["select"],
+                 ignore=settings["ignore"], rules_dirs=settings["rules_dirs"], target=settings["target"],
+                 capture_mode="auto", calibrate=settings["calibrate"],
+                 loss_fn=hooks.hook("loss_fn") if settings["calibrate"] else None, **loaded.kwargs)
