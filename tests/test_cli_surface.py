@@ -92,3 +92,42 @@ def test_plan_table_keeps_every_word_at_any_width(width):
     assert [w for w in reason.split() if w not in words] == []          # the "why" wraps whole words
     assert "…" not in text                                              # no cell is cut short
     assert max(map(len, text.splitlines())) <= width
+
+
+class _TenWay(__import__("torch").nn.Module):
+    """Numerically clean; only its 10-way head is off the Tensor Core multiple."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.body = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).relu())
+
+
+def test_speed_findings_do_not_fail_the_safety_gate():
+    import torch
+
+    from ampaudit.testing import AmpSafetyError, assert_amp_safe
+
+    report = assert_amp_safe(_TenWay(), torch.randn(8, 64), fail_on="info")
+    assert report.findings and all(f.is_speed for f in report.findings)     # reported, not failed
+    with pytest.raises(AmpSafetyError, match="is not mixed-precision fast"):
+        assert_amp_safe(_TenWay(), torch.randn(8, 64), fail_on="info", speed=True)
+
+
+def test_alignment_on_a_cpu_target_is_an_info_worded_for_the_cpu():
+    import torch
+
+    import ampaudit
+
+    cuda = ampaudit.check(_TenWay(), torch.randn(8, 64))
+    cpu = ampaudit.check(_TenWay(), torch.randn(8, 64), device="cpu", dtype="bfloat16")
+    assert {f.rule for f in cpu.findings} == {f.rule for f in cuda.findings} == {"AMP101"}
+    for f in cpu.findings:
+        assert f.severity == "info" and "CPU" in f.message and "CPU" in f.why
+        assert "Tensor Core kernels" not in f.message and "cuBLAS" not in f.why and "cuDNN" not in f.why
+    assert any("Tensor Core" in f.message + f.why for f in cuda.findings)
