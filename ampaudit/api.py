@@ -59,6 +59,18 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
                  batches=batches, loss_fn=loss_fn, batch=batch, **kwargs).report
 
 
+_CAPTURE_NAMES = {"fx": "torch.fx", "export": "torch.export", "dispatch": "dispatch-level recording"}
+
+
+def _capture_note(mode: str, note: str) -> str:
+    # An earlier capture mode failing is routine (fx cannot trace data-dependent slicing): say what ran, and that it
+    # covers the whole model, before why the first choice did not.
+    name, sep, why = note.partition(": ")
+    if sep and name in _CAPTURE_NAMES:
+        return f"audited the whole model through {_CAPTURE_NAMES[mode]} ({name} was not used: {why})"
+    return f"{_CAPTURE_NAMES[mode]}: {note}"
+
+
 def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
@@ -101,7 +113,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
         report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}")
         report.notes.extend(skipped)
-    report.notes.extend(f"{cap.mode} capture used; {note}" for note in cap.notes)
+    report.notes.extend(_capture_note(cap.mode, note) for note in cap.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "

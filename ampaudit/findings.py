@@ -11,6 +11,9 @@ from typing import Any
 
 REPORT_VERSION = "1.1"   # 1.1: each finding has "group"
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+# Families about speed (a slower kernel), not about wrong numbers: safety gates (assert_amp_safe, the pytest
+# fixture) leave them out unless asked to (speed=True).
+SPEED_FAMILIES = frozenset({"alignment"})
 
 
 @dataclass
@@ -32,6 +35,11 @@ class Finding:
     node: str | None = None               # name of the fx node it was found on (what `fix` rewrites)
     autofix: dict = field(default_factory=lambda: {"kind": "none"})   # the rule's: how `fix` treats it
     fix_nodes: list[str] = field(default_factory=list)                 # more nodes the fix changes with `node`
+
+    @property
+    def is_speed(self) -> bool:
+        """True for a speed finding (a slower kernel) rather than a safety one (wrong or non-finite numbers)."""
+        return self.family in SPEED_FAMILIES
 
     def as_dict(self) -> dict:
         return {"rule": self.rule, "name": self.name, "family": self.family, "severity": self.severity,

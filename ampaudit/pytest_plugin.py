@@ -21,7 +21,7 @@ import pytest
 
 # [tool.ampaudit] key (normalised) -> assert_amp_safe keyword
 _CONFIG_KEYS = {"device": "device", "dtype": "dtype", "fail_on": "fail_on", "select": "select", "ignore": "ignore",
-                "rules": "rules_dirs"}
+                "rules": "rules_dirs", "speed": "speed"}
 
 
 class AmpAudit:

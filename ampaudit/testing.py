@@ -7,6 +7,10 @@
         assert_amp_safe(model, torch.randn(8, 64))                       # CUDA fp16 policy, fails on warnings
         assert_amp_safe(model, x, device="cpu", dtype="bfloat16", fail_on="error", ignore=["AMP403"])
         assert_amp_safe(model, x, calibrate=True)   # also run it: measured overflow and inf/NaN fail too
+        assert_amp_safe(model, x, speed=True)       # misaligned GEMM dims (slower kernels) fail too
+
+Safety and speed are told apart: by default only safety findings (wrong, lost or non-finite numbers) fail;
+alignment findings (a GEMM on a slower kernel) fail only with ``speed=True``.
 
 A clean model passes silently (the :class:`~ampaudit.findings.Report` is returned); otherwise the test fails
 with an :class:`AmpSafetyError` (an ``AssertionError``) whose message is a plain-text table of the findings at or
@@ -63,13 +67,14 @@ def format_findings(findings: Sequence[Finding], *, width: int = TABLE_WIDTH) ->
 
 
 def assert_amp_safe(model: Any, *example_inputs: Any, device: str = "cuda", dtype: str = "float16",
-                    fail_on: str = "warning", calibrate: bool = False, select: Sequence[str] | None = None,
-                    ignore: Sequence[str] | None = None, rules_dirs: Sequence[str | Path] = (),
+                    fail_on: str = "warning", calibrate: bool = False, speed: bool = False,
+                    select: Sequence[str] | None = None, ignore: Sequence[str] | None = None, rules_dirs: Sequence[str | Path] = (),
                     **example_kwargs: Any) -> Report:
     """Fail the calling test if ``model(*example_inputs, **example_kwargs)`` has findings at or above
     ``fail_on`` for the ``device``/``dtype`` autocast target; return the report otherwise.
 
-    ``fail_on``: "error", "warning", "info" or "never" (report only). ``calibrate``: also run the model on the
+    ``fail_on``: "error", "warning", "info" or "never" (report only). ``speed``: speed findings (the alignment
+    family: dims off the Tensor Core multiple) fail too; by default they are reported, not failed. ``calibrate``: also run the model on the
     example inputs in FP32 and under the target's autocast (as ``ampaudit check --calibrate``): measured
     overflow, inf/NaN origins and divergence become findings. ``select``/``ignore``/``rules_dirs`` work as in
     ``ampaudit check``.
@@ -81,11 +86,12 @@ def assert_amp_safe(model: Any, *example_inputs: Any, device: str = "cuda", dtyp
 
     report = check(model, *example_inputs, device=device, dtype=dtype, select=select, ignore=ignore,
                    rules_dirs=rules_dirs, base_dir=Path.cwd(), calibrate=calibrate, **example_kwargs)
-    failing = report.at_or_above(fail_on) if fail_on != "never" else []
+    failing = [f for f in report.at_or_above(fail_on) if speed or not f.is_speed] if fail_on != "never" else []
     if failing:
         pol = report.policy
         lower = len(report.findings) - len(failing)
-        head = (f"{type(model).__name__} is not mixed-precision safe for {pol.get('device')} {pol.get('dtype')} "
+        what = "fast" if all(f.is_speed for f in failing) else "safe"
+        head = (f"{type(model).__name__} is not mixed-precision {what} for {pol.get('device')} {pol.get('dtype')} "
                 f"autocast: {len(failing)} finding(s) at or above {fail_on!r}"
                 + (f" (and {lower} below)" if lower else ""))
         raise AmpSafetyError(f"{head}\n\n{format_findings(failing)}\n\n"

@@ -104,7 +104,7 @@ def test_sarif_validates_against_official_schema(misaligned, tmp_path):
     if not SCHEMA.is_file():
         pytest.skip("SARIF schema not found")
     out = tmp_path / "out.sarif"
-    r = run("check", str(misaligned), "--format", "sarif", "-o", str(out), "--device", "cpu")
+    r = run("check", str(misaligned), "--format", "sarif", "-o", str(out))
     assert r.exit_code == 1
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, json.loads(SCHEMA.read_text()))

@@ -47,6 +47,21 @@ def test_fix_writes_a_protocol_model_file(tmp_path):
     assert _run("fix", str(PLANTED / "mask_fill.py"), "-o", str(out), "--device", "cpu", "--no-verify").exit_code == 0
 
 
+def test_fixed_model_finds_its_original_after_both_move(tmp_path):
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(PLANTED / "mask_fill.py", repo / "mask_fill.py")
+    assert _run("fix", str(repo / "mask_fill.py"), "-o", str(repo / "fixed"), "--device", "cpu",
+                "--no-verify").exit_code == 0
+    assert "ORIGINAL = (HERE / '../mask_fill.py').resolve()" in (repo / "fixed" / "model.py").read_text()
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(repo), str(moved))                       # a checkout elsewhere: the old path is gone
+    fixed = load_target(str(moved / "fixed" / "model.py"))
+    assert fixed.model(*fixed.args).shape == load_target(str(moved / "mask_fill.py")).model(*fixed.args).shape
+
+
 def test_fix_refuses_foreign_outdir(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     res = _run("fix", str(PLANTED / "gelu_cube.py"), "-o", str(tmp_path), "--device", "cpu")

@@ -96,3 +96,15 @@ def test_example_workflow_runs_check_sarif_and_uploads_it(tmp_path, monkeypatch)
     doc = json.loads((tmp_path / out).read_text())
     assert doc["version"] == "2.1.0" and doc["runs"][0]["results"][0]["ruleId"] == "AMP101"
     assert doc["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == target
+
+
+def test_repeats_on_one_line_are_one_annotation_naming_their_modules():
+    loc = {"file": "models/net.py", "line": 12}
+    blocks = [_finding(location=loc, module=f"blocks.{i}.fc", message=f"Linear 64->5{i}: out_features = 5{i}")
+              for i in range(4)]
+    other_line = _finding(location={"file": "models/net.py", "line": 30}, module="head")
+    lines = to_github(Report(target="net.py", capture="fx", policy={"device": "cuda", "dtype": "float16"},
+                             findings=[*blocks, other_line])).splitlines()
+    assert len(lines) == 2
+    assert "line=12" in lines[0] and "[4 modules: blocks.*.fc]" in lines[0] and "Linear 64->50" in lines[0]
+    assert "line=30" in lines[1] and "[module: head]" in lines[1]

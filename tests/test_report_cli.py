@@ -56,6 +56,19 @@ def test_check_option_lists_confirmed_findings(tmp_path):
     assert "the run confirmed 1 of 1 check findings" in out and "AMP101 blocks.1.attn" in out
 
 
+def test_check_says_so_when_the_run_confirms_nothing(tmp_path):
+    f = tmp_path / "findings.json"
+    f.write_text(json.dumps({"findings": [{"rule": "AMP201", "family": "sensitive-op", "module": "nowhere.near"}]}))
+    out = invoke(RUN, "--check", str(f)).stdout
+    assert f"--check: the run confirmed none of the 1 finding(s) in {f}" in out
+
+
+def test_a_one_line_text_file_is_not_a_trace(tmp_path):
+    (tmp_path / "notes.txt").write_text("this is not a trace\n")
+    r = invoke(str(tmp_path / "notes.txt"))
+    assert r.exit_code == 2 and "is not an ampaudit trace" in r.stderr and r.stderr.count("\n") == 1
+
+
 def test_missing_trace_is_one_line_exit_2(tmp_path):
     r = invoke(str(tmp_path / "nope.jsonl"))
     assert r.exit_code == 2

@@ -89,3 +89,17 @@ def test_group_locations_are_distinct_in_first_seen_order():
 
     (g,) = group_findings([f(3), f(1), f(3), f(2)])
     assert [loc["line"] for loc in g.locations] == [3, 1, 2] and g.modules == ["m3", "m1", "m2"]
+
+
+def test_the_where_columns_plus_n_is_spelled_out():
+    from ampaudit.findings import Finding
+
+    findings = [Finding(rule="AMP301", name="batchnorm-fp16", family="normalization", severity="info",
+                        module=f"m{i}", op="batch_norm", message="BatchNorm2d under autocast",
+                        location={"file": "net.py", "line": 10 + i}) for i in range(6)]
+    report = ampaudit.findings.Report(target="net.py", capture="fx", policy={"device": "cuda", "dtype": "float16"},
+                                      findings=findings)
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    render_report(report, console)
+    text = console.file.getvalue()
+    assert "net.py:10 +5" in text and "+5 more line(s): net.py:11, net.py:12, net.py:13 and 2 more" in text

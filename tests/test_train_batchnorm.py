@@ -51,8 +51,9 @@ def test_small_batch_warning_text():
 
 
 def test_trainer_warns_at_start_naming_the_layers(bn):
-    with pytest.warns(SmallBatchWarning, match="BatchNorm layers bn normalize over a micro-batch of 4"):
+    with pytest.warns(SmallBatchWarning, match="BatchNorm layers bn normalize over a micro-batch of 4") as seen:
         t = Trainer(bn.build_model(), bn.loss_fn, bn.train_data, accum=4, handle_signals=False)
+    assert seen[0].filename == __file__          # the user's Trainer(...) line, not ampaudit's own
     assert len(t.warnings) == 1 and "accumulation of 4" in t.warnings[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error", SmallBatchWarning)

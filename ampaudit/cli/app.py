@@ -43,11 +43,18 @@ def split_list(values: list[str] | None) -> list[str]:
     return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
 
 
+def piped_width() -> int:
+    """Columns for output that is not a terminal: ``COLUMNS`` when set (a CI log, ``COLUMNS=80 ampaudit ...``),
+    else 120 (rich would fold at 80)."""
+    value = os.environ.get("COLUMNS", "")
+    return int(value) if value.isdigit() and int(value) >= 40 else 120
+
+
 def stdout_console(**kwargs):
-    """A rich Console for stdout: the terminal's width, or 120 columns when piped (rich would fold at 80)."""
+    """A rich Console for stdout: the terminal's width, or :func:`piped_width` columns when piped."""
     from rich.console import Console
 
-    return Console(**kwargs) if sys.stdout.isatty() else Console(width=120, **kwargs)
+    return Console(**kwargs) if sys.stdout.isatty() else Console(width=piped_width(), **kwargs)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -117,8 +124,70 @@ def cli_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+# Options that take a value but mean one when given bare: ``--checkpoint-activations --save x`` is ``auto``.
+BARE_VALUES = {"--checkpoint-activations": "auto"}
+
+
+def bare_values(argv: list[str]) -> list[str]:
+    """``argv`` with each :data:`BARE_VALUES` option that has no value of its own given its default; a next
+    word that is an option, a model file (``.py``) or a ``pkg.module:factory`` target is not its value."""
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        out.append(word)
+        if word in BARE_VALUES:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("-") or nxt.endswith(".py") or ":" in nxt or os.sep in nxt:
+                out.append(BARE_VALUES[word])
+    return out
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"ampaudit {version('ampaudit')}")
+        except PackageNotFoundError:  # a source tree on sys.path without an install
+            typer.echo("ampaudit (not installed)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print ampaudit's version and exit.")) -> None:
+    """Audit and train PyTorch models under mixed precision (fp16 / bf16 / fp8)."""
+
+
+def _usage_line(exc) -> str:
+    # click's own message ("No such option: --bogus", "Missing argument 'target'") and the help to read next.
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "ampaudit"
+    return f"{exc.format_message().rstrip('.')}; see '{where} --help'"
+
+
+def _click():
+    try:
+        from typer import _click as click   # typer 0.22+ runs on its own copy of click
+    except ImportError:
+        import click
+    return click
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point. Usage errors are one ``error:`` line on stderr and exit 2, as ours are."""
+    click = _click()
     from ampaudit.cli import commands  # noqa: F401  registers every command on `app`
 
-    app(args=argv if argv is not None else sys.argv[1:], prog_name="ampaudit")
+    args = bare_values(list(argv if argv is not None else sys.argv[1:]))
+    try:
+        code = app(args=args, prog_name="ampaudit", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:   # a bare command: its help, as click would print it
+        typer.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        code = 0
+    except click.exceptions.UsageError as exc:
+        typer.echo(f"error: {_usage_line(exc)}", err=True)
+        code = 2
+    except click.exceptions.Abort:
+        typer.echo("error: interrupted", err=True)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)

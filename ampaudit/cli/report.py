@@ -55,6 +55,8 @@ def report(
     hint = "pass the file written by --trace or ampaudit.watch"
     if not events and not problems:
         raise TraceError(f"trace {trace} holds no events", hint=hint)
+    if not events and not _starts_like_an_event(trace):   # a killed run's one line still begins as an event
+        raise TraceError(f"{trace} is not an ampaudit trace: its first line is not a JSON event", hint=hint)
     if not events and len(problems) > 1:  # one bad line is a run killed at once; more is not a trace at all
         raise TraceError(f"{trace} is not an ampaudit trace: none of its {len(problems)} lines is a JSON event",
                          hint=hint)
@@ -67,6 +69,9 @@ def report(
 
         from ampaudit.report.trace_console import render_summary
         render_summary(summary, stdout_console(highlight=False))
+        if findings is not None and not any(r.get("kind") == "confirmed_findings"
+                                            for r in summary.get("recommendations", [])):
+            typer.echo(f"--check: the run confirmed none of the {len(findings)} finding(s) in {check}")
     if html is not None:
         from ampaudit.report.html import write_html
         # The plots rank every module the trace has, not only the --top shown in the terminal.
@@ -76,3 +81,9 @@ def report(
         from ampaudit.integrations.tensorboard import write_tensorboard
         count = write_tensorboard(events, tensorboard)
         typer.echo(f"wrote {count} TensorBoard scalars to {tensorboard}", err=as_json)
+
+
+def _starts_like_an_event(path: Path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        first = next((line for line in fh if line.strip()), "")
+    return first.lstrip().startswith("{")

@@ -32,7 +32,7 @@ def list_rules(rules: RulesOpt = None) -> None:
     from ampaudit.rules.loader import load_rules
 
     table = Table("id", "name", "family", "severity", box=None)
-    for r in load_rules([str(p) for p in rules or []]):
+    for r in sorted(load_rules([str(p) for p in rules or []]), key=lambda r: r.id.upper()):
         table.add_row(r.id, r.name, r.family, r.severity)
     stdout_console().print(table)
 

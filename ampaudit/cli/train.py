@@ -87,7 +87,7 @@ def train(
     warmup_steps: Annotated[Optional[int], typer.Option(help="Ramp the LR linearly from 0 over the first N optimizer steps (on top of make_scheduler's).")] = None,
     scale_lr: Annotated[Optional[str], typer.Option(help="Scale the LR to the effective batch (micro-batch x --accum x ranks) from --base-batch: linear or sqrt.")] = None,
     base_batch: Annotated[Optional[int], typer.Option(help="The batch the LR was tuned at, for --scale-lr.")] = None,
-    checkpoint_activations: Annotated[Optional[str], typer.Option(help="Activation checkpointing (non-reentrant; autocast and RNG preserved in the recompute): auto for the model's repeated blocks, or CLASS,... to name them.")] = None,
+    checkpoint_activations: Annotated[Optional[str], typer.Option(help="Activation checkpointing (non-reentrant; autocast and RNG preserved in the recompute): auto (also the bare flag) for the model's repeated blocks, or CLASS,... to name them.")] = None,
     sync_bn: Annotated[bool, typer.Option("--sync-bn", help="Under torchrun: BatchNorm computes its statistics over every rank's micro-batch (SyncBatchNorm; gloo on CPU too).")] = False,
     eval_every: Annotated[Optional[int], typer.Option(help="Every N steps evaluate eval_data() under autocast and in FP32 (same weights, eval mode): both losses, metrics (metric_fn, else top-1/top-5) and their gap, as an eval event in the trace.")] = None,
     loss_scale: Annotated[str, typer.Option(help="dynamic, none, a fixed number, or auto (dynamic for "

@@ -29,25 +29,43 @@ def sort_key(layer) -> tuple:
     return _ORDER[layer.choice], -(layer.speedup or 0.0), layer.module
 
 
-def render_plan(plan, console: Console) -> None:
+# The "why" column needs this many columns beside the others; narrower terminals get the reasons below the
+# table instead: rich crops (not wraps) a cell whose column is squeezed under the width it measured.
+_WHY_MIN = 24
+
+
+def _table(plan, *, why: bool) -> Table:
     table = Table(title=escape(f"ampaudit plan [float8 {plan.recipe}, speed model {plan.speed_model}, budget "
                                f"{plan.budget.forward_db:g} dB forward / {plan.budget.backward_db:g} dB backward]"),
                   title_justify="left", show_lines=False, box=box.SIMPLE_HEAD)
-    for col, kw in (("module", {"overflow": "fold", "max_width": 28}), ("in→out × M", {}), ("choice", {}),
-                    ("torchao", {}), ("fp8 dB\nout/dx/dw", {"justify": "right"}),
-                    ("model\ngrads dB", {"justify": "right"}),
-                    ("fp8\nspeed", {"justify": "right"}),
-                    ("why", {"overflow": "fold", "ratio": 1, "min_width": 24})):
-        table.add_column(col, **kw)
+    # fold: a number or a name too wide for its column goes on the next line instead of ending in an ellipsis
+    columns = [("module", {"max_width": 28}), ("in→out × M", {}), ("choice", {}), ("torchao", {}),
+               ("fp8 dB\nout/dx/dw", {"justify": "right"}), ("model\ngrads dB", {"justify": "right"}),
+               ("fp8\nspeed", {"justify": "right"})]
+    if why:
+        columns.append(("why", {"ratio": 1, "min_width": _WHY_MIN, "overflow": "ellipsis"}))
+    for col, kw in columns:
+        table.add_column(col, **({"overflow": "fold"} | kw))
     for layer in sorted(plan.layers, key=sort_key):
         fp8 = "/".join(_sqnr(layer, "float8", r) for r in ("output", "grad_input", "grad_weight"))
         theirs = "-" if layer.torchao is None else ("fp8" if layer.torchao else "skip")
         if layer.torchao is not None and layer.torchao != (layer.choice == "float8"):
             theirs = f"[bold]{theirs}[/bold]*"
-        table.add_row(layer.module, f"{layer.in_features}→{layer.out_features} × {layer.tokens}",
-                      f"[{_STYLE[layer.choice]}]{layer.choice}[/]", theirs, fp8, _sqnr(layer, "float8", "model_grads"),
-                      f"{layer.speedup:.2f}x" if layer.speedup else "-", escape("; ".join(layer.reasons)))
-    console.print(table)
+        cells = [layer.module, f"{layer.in_features}→{layer.out_features} × {layer.tokens}",
+                 f"[{_STYLE[layer.choice]}]{layer.choice}[/]", theirs, fp8, _sqnr(layer, "float8", "model_grads"),
+                 f"{layer.speedup:.2f}x" if layer.speedup else "-"]
+        table.add_row(*cells, *([escape("; ".join(layer.reasons))] if why else []))
+    return table
+
+
+def render_plan(plan, console: Console) -> None:
+    narrow = _table(plan, why=False)
+    why = console.width - console.measure(narrow).maximum >= _WHY_MIN
+    console.print(_table(plan, why=True) if why else narrow)
+    if not why:
+        for layer in sorted(plan.layers, key=sort_key):
+            if layer.reasons:
+                console.print(f"  {escape(layer.module)}: {escape('; '.join(layer.reasons))}")
     s = plan.summary()
     line = f"{s['layers']} Linear layer(s): {s['float8']} float8, {s['bfloat16']} bfloat16, {s['float32']} float32"
     if s.get("predicted_linear_speedup"):

@@ -12,6 +12,8 @@ from rich.text import Text
 from ampaudit.findings import SEVERITY_RANK, Report
 from ampaudit.report.groups import group_findings
 
+# Source lines of a group listed under its first (the rest: --format json).
+_MORE_LINES = 3
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
@@ -45,6 +47,11 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
                             style="dim")
             else:
                 body.append(f"\nin {first.module or '<top module>'}", style="dim")
+            if len(locs) > 1:   # what the "+N" of the where column stands for
+                more = ", ".join(f"{_short(loc['file'])}:{loc['line']}" for loc in locs[1:1 + _MORE_LINES])
+                rest = len(locs) - 1 - _MORE_LINES
+                body.append(f"\n+{len(locs) - 1} more line(s): {more}" + (f" and {rest} more" if rest > 0 else ""),
+                            style="dim")
             if first.fix:
                 body.append(f"\nfix{' (the first)' if similar else ''}: {first.fix}", style="dim")
             if show_why and first.why:

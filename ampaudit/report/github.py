@@ -3,13 +3,16 @@
     print(to_github(report))
     # ::warning file=models/net.py,line=41,title=AMP101 linear-dims-misaligned::Linear 1000->500: ...
 
-error -> ``::error``, warning -> ``::warning``, info -> ``::notice``. A finding without a source line is
+error -> ``::error``, warning -> ``::warning``, info -> ``::notice``. Repeated findings (the same rule and
+message up to its numbers, ``report.groups``) on one source line are one annotation naming their modules (every
+block of a model built in a loop shares the loop's line). A finding without a source line is
 annotated without ``file``/``line`` (GitHub lists it on the run's summary). Escaping follows the Actions
 toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,`` in properties.
 """
 from __future__ import annotations
 
 from ampaudit.findings import Finding, Report
+from ampaudit.report.groups import group_findings, module_pattern
 
 COMMAND = {"error": "error", "warning": "warning", "info": "notice"}
 
@@ -24,14 +27,17 @@ def escape_property(text: str) -> str:
     return escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def annotation(f: Finding) -> str:
-    """One ``::level file=F,line=L,title=T::message`` line for ``f``."""
+def annotation(f: Finding, modules: list[str] | None = None) -> str:
+    """One ``::level file=F,line=L,title=T::message`` line for ``f`` (found in ``modules``, default its own)."""
     props = []
     if f.location and f.location.get("file"):
         props.append(f"file={escape_property(str(f.location['file']).replace(chr(92), '/'))}")
         props.append(f"line={max(1, int(f.location.get('line') or 1))}")
     props.append(f"title={escape_property(f'{f.rule} {f.name}')}")
-    message = f"{f.message} [module: {f.module or '<top>'}]"
+    modules = modules or [f.module]
+    where = (f"module: {modules[0] or '<top>'}" if len(modules) == 1
+             else f"{len(modules)} modules: {module_pattern(modules)}")
+    message = f"{f.message} [{where}]"
     if f.fix:
         message += f"\nFix: {f.fix}"
     return f"::{COMMAND[f.severity]} {','.join(props)}::{escape_data(message)}"
@@ -39,4 +45,12 @@ def annotation(f: Finding) -> str:
 
 def to_github(report: Report) -> str:
     """Every finding of ``report`` as workflow commands, one per line ("" when clean)."""
-    return "\n".join(annotation(f) for f in report.findings)
+    lines = []
+    for group in group_findings(report.findings):
+        by_line: dict[tuple, list[Finding]] = {}
+        for f in group.findings:
+            loc = f.location or {}
+            by_line.setdefault((loc.get("file"), loc.get("line")), []).append(f)
+        for same in by_line.values():
+            lines.append(annotation(same[0], list(dict.fromkeys(f.module for f in same))))
+    return "\n".join(lines)

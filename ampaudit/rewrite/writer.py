@@ -18,6 +18,7 @@ import builtins
 import inspect
 import io
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -108,10 +109,24 @@ def _annotated_forward(result) -> tuple[str, dict]:
     return body, globals_
 
 
-def _loader_lines(source, entry: str) -> list[str]:
+def _original_lines(path: Path, outdir: Path | None) -> list[str]:
+    # The model file relative to this folder, so the two move together (a repository checkout, a CI runner); the
+    # absolute path where it was written only if the folder moved alone.
+    try:
+        rel = Path(os.path.relpath(Path(path).resolve(), Path(outdir).resolve())) if outdir is not None else None
+    except ValueError:  # another drive (Windows)
+        rel = None
+    if rel is None:
+        return [f"ORIGINAL = Path({str(path)!r})"]
+    return [f"ORIGINAL = (HERE / {rel.as_posix()!r}).resolve()",
+            "if not ORIGINAL.is_file():  # this folder was moved without the model file",
+            f"    ORIGINAL = Path({str(Path(path).resolve())!r})"]
+
+
+def _loader_lines(source, entry: str, outdir: Path | None = None) -> list[str]:
     if source.path is not None:
         return [
-            f"ORIGINAL = Path({str(source.path)!r})",
+            *_original_lines(source.path, outdir),
             "",
             "",
             "def _load_original():",
@@ -130,7 +145,8 @@ def _loader_lines(source, entry: str) -> list[str]:
             "    return importlib.import_module(ORIGINAL)"]
 
 
-def render_model_py(result, source, entry: str, *, has_constants: bool, saved_inputs: bool) -> str:
+def render_model_py(result, source, entry: str, *, has_constants: bool, saved_inputs: bool,
+                    outdir: Path | None = None) -> str:
     """The text of OUTDIR/model.py."""
     body, globals_ = _annotated_forward(result)
     imports, late = _imports(body, globals_)
@@ -149,7 +165,7 @@ def render_model_py(result, source, entry: str, *, has_constants: bool, saved_in
     std = ["import importlib", "import importlib.util", "import sys", "from pathlib import Path", "", "import torch"]
     extra = [ln for ln in imports if ln != "import torch"]
     lines = head + std + extra + ["", "HERE = Path(__file__).resolve().parent", f"ENTRY = {entry!r}"]
-    lines += _loader_lines(source, entry)
+    lines += _loader_lines(source, entry, outdir)
     lines += ["", "", "_original = _load_original()"] + late
     if rep.padding:
         shapes = {name: list(shape) for c in rep.padding for name, shape in c.param_shapes.items()}
@@ -214,7 +230,8 @@ def write_outdir(result, outdir: str | Path, *, source, entry: str, saved_inputs
     check_outdir(outdir)
     hint = "choose a writable folder for -o/--output"
     constants = missing_attrs_of(result)
-    text = render_model_py(result, source, entry, has_constants=bool(constants), saved_inputs=saved_inputs)
+    text = render_model_py(result, source, entry, has_constants=bool(constants), saved_inputs=saved_inputs,
+                           outdir=outdir)
     compile(text, str(outdir / "model.py"), "exec")  # a bug here must not leave a broken file behind
     # The marker goes first, so a run killed half-way leaves a folder the next run may overwrite.
     atomic_write_text(outdir / "fix.json", json.dumps({"tool": MARKER, "complete": False}) + "\n", hint=hint)

@@ -5,7 +5,9 @@
 A finding on a source line that carries ``# ampaudit: ignore`` or ``# ampaudit: ignore[AMP201,AMP101]`` is
 suppressed (counted, not reported). Every hit is a finding (a module called twice has two); the report groups
 repeated ones (``ampaudit.report.groups``). A hit that names a variant of its rule takes that variant's
-severity, message, why and fix; a variant with severity "off" drops the hit.
+severity, message, why and fix; a variant with severity "off" drops the hit. A rule's ``on_<device>`` variant
+(``[rule.variants.on_cpu]``) takes every hit on that target device, whatever variant the hit named: the target's
+hardware decides what the finding means (no Tensor Cores on a CPU).
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ def suppressed_by_comment(file: str | None, line: int | None, rule: Rule) -> boo
     return ignores(linecache.getline(file, line), rule.id, rule.name)
 
 
+def _variant(ctx: MatchContext, rule: Rule, hit: Hit) -> dict:
+    """The overrides that apply to ``hit``: the rule's variant for the target device, else the hit's own."""
+    return rule.variant(f"on_{ctx.policy.device}") or rule.variant(hit.variant)
+
+
 def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     node = hit.node
     if node is None and hit.module is not None and hit.source is None:
@@ -52,7 +59,7 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     op = hit.op or (info.op if info else "")
     fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
               "low": ctx.policy.short(), **hit.details}
-    variant = rule.variant(hit.variant)
+    variant = _variant(ctx, rule, hit)
     fix_text = variant.get("fix", rule.fix)
     try:
         message = variant.get("message", rule.message).format(**fields)
@@ -83,7 +90,7 @@ def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]
     suppressed = 0
     for rule in rules:
         for hit in MATCHERS[rule.matcher].fn(ctx, rule):
-            if rule.variant(hit.variant).get("severity") == "off":
+            if _variant(ctx, rule, hit).get("severity") == "off":
                 continue
             f = _finding(ctx, rule, hit)
             loc = f.location or {}

@@ -18,7 +18,6 @@ torchrun train as GPU runs do. The threshold is ``min_micro_batch`` in the ``bat
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -73,11 +72,12 @@ def warn_small_batches(model: nn.Module, factory: Callable[[], Iterable], *, mic
     if not layers:
         return None
     from ampaudit.train.data import first_batch_size
+    from ampaudit.user_warnings import warn_at_user
 
     size = micro_batch if micro_batch is not None else first_batch_size(factory)
     message = small_batch_warning(layers, micro_batch=size, accum=accum, world_size=world_size)
     if message:
-        warnings.warn(message, SmallBatchWarning, stacklevel=3)
+        warn_at_user(message, SmallBatchWarning)
     return message
 
 

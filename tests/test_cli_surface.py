@@ -1,0 +1,133 @@
+"""The command line's own surface: --version, one-line usage errors, bare-flag defaults, tables at any width."""
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from types import SimpleNamespace as NS
+
+import pytest
+from rich.console import Console
+
+from ampaudit.cli.app import bare_values, piped_width
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "ampaudit", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    r = _run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"ampaudit {version('ampaudit')}"
+
+
+@pytest.mark.parametrize("args, says", [
+    (("check",), "Missing argument 'target'; see 'ampaudit check --help'"),
+    (("check", "model.py", "--bogus"), "No such option: --bogus; see 'ampaudit check --help'"),
+    (("nosuchcommand",), "see 'ampaudit --help'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, says):
+    r = _run(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr
+    assert "╭" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_findings_still_exit_1_through_the_entry_point():
+    r = _run("check", "samples/misaligned_mlp.py", "--format", "json")
+    assert r.returncode == 1 and '"findings"' in r.stdout
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["train", "m.py", "--checkpoint-activations", "--save", "x.pt"],
+     ["train", "m.py", "--checkpoint-activations", "auto", "--save", "x.pt"]),
+    (["train", "m.py", "--checkpoint-activations"], ["train", "m.py", "--checkpoint-activations", "auto"]),
+    (["train", "--checkpoint-activations", "m.py"], ["train", "--checkpoint-activations", "auto", "m.py"]),
+    (["train", "--checkpoint-activations", "pkg.mod:build"],
+     ["train", "--checkpoint-activations", "auto", "pkg.mod:build"]),
+    (["train", "m.py", "--checkpoint-activations", "Block,MLP"],
+     ["train", "m.py", "--checkpoint-activations", "Block,MLP"]),
+])
+def test_bare_checkpoint_activations_means_auto(argv, expect):
+    assert bare_values(argv) == expect
+
+
+def test_piped_output_follows_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert piped_width() == 80
+    monkeypatch.setenv("COLUMNS", "junk")
+    assert piped_width() == 120
+    monkeypatch.delenv("COLUMNS")
+    assert piped_width() == 120
+
+
+def _plan():
+    reasons = ["out_features 58 not a multiple of 16 (--pad pads it without changing results); predicted 1.68x "
+               "slower in fp8 (memory-bound at 1024 tokens)"]
+    metrics = {"float8": {"output": {"sqnr_db": 28.81}, "grad_input": {"sqnr_db": 29.61},
+                          "grad_weight": {"sqnr_db": 33.41}, "model_grads": {"sqnr_db": 32.0}}}
+    layers = [NS(module=f"blocks.{i}.attention.output_projection", in_features=64, out_features=58, tokens=1024,
+                 choice="bfloat16", torchao=False, speedup=0.6, reasons=reasons, metrics=metrics) for i in range(2)]
+    summary = {"layers": 2, "float8": 0, "bfloat16": 2, "float32": 0, "torchao_filter_differs": 0}
+    return NS(recipe="tensorwise", speed_model="h100", budget=NS(forward_db=20, backward_db=15), layers=layers,
+              notes=[], summary=lambda: summary), reasons[0]
+
+
+@pytest.mark.parametrize("width", [80, 100, 120, 160])
+def test_plan_table_keeps_every_word_at_any_width(width):
+    from ampaudit.planning.report import render_plan
+
+    plan, reason = _plan()
+    console = Console(width=width, file=io.StringIO(), record=True)
+    render_plan(plan, console)
+    text = console.export_text()
+    words = set(re.findall(r"\S+", text))
+    assert [w for w in reason.split() if w not in words] == []          # the "why" wraps whole words
+    assert "…" not in text                                              # no cell is cut short
+    assert max(map(len, text.splitlines())) <= width
+
+
+class _TenWay(__import__("torch").nn.Module):
+    """Numerically clean; only its 10-way head is off the Tensor Core multiple."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.body = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).relu())
+
+
+def test_speed_findings_do_not_fail_the_safety_gate():
+    import torch
+
+    from ampaudit.testing import AmpSafetyError, assert_amp_safe
+
+    report = assert_amp_safe(_TenWay(), torch.randn(8, 64), fail_on="info")
+    assert report.findings and all(f.is_speed for f in report.findings)     # reported, not failed
+    with pytest.raises(AmpSafetyError, match="is not mixed-precision fast"):
+        assert_amp_safe(_TenWay(), torch.randn(8, 64), fail_on="info", speed=True)
+
+
+def test_alignment_on_a_cpu_target_is_an_info_worded_for_the_cpu():
+    import torch
+
+    import ampaudit
+
+    cuda = ampaudit.check(_TenWay(), torch.randn(8, 64))
+    cpu = ampaudit.check(_TenWay(), torch.randn(8, 64), device="cpu", dtype="bfloat16")
+    assert {f.rule for f in cpu.findings} == {f.rule for f in cuda.findings} == {"AMP101"}
+    for f in cpu.findings:
+        assert f.severity == "info" and "CPU" in f.message and "CPU" in f.why
+        assert "Tensor Core kernels" not in f.message and "cuBLAS" not in f.why and "cuDNN" not in f.why
+    assert any("Tensor Core" in f.message + f.why for f in cuda.findings)
