@@ -259,6 +259,9 @@ class Trainer(TrainerState):
         # a resumed or continued run extends its trace
         self.session.start(self.model, dtype=self.dtype, source="train", step=self.step,
                            append=resumed or self.step > 0, meta=self._trace_meta())
+        # Swamping: the optimizer's states are measured too, and O2's masters hold their parameters' updates.
+        self.session.measure_updates(optimizer=self.optimizer, names={id(t): n for n, t in self._named},
+                                     mastered=self.masters.mastered if self.masters is not None else [])
         if self.preflight and not resumed:
             self.session.write("preflight", step=self.step, checks=[c.to_dict() for c in self.preflight])
         losses: list[float] = []
