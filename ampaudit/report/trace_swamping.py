@@ -19,8 +19,8 @@ from typing import Any
 
 from ampaudit.report.trace_summary import finite
 
-# Preflight checks about training state that changes (ampaudit.train.preflight_state); the others are the
-# distributed run's (reduce dtype, memory), reported by the trainer itself.
+# Preflight checks about training state that changes (ampaudit.train.preflight_state.STATE_CHECKS, written here
+# so report does not import the trainer); the others are the distributed run's, reported by the trainer itself.
 STATE_CHECKS = ("updates", "optimizer state")
 SHOWN = 5
 
