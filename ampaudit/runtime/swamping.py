@@ -107,6 +107,12 @@ def _write_slots(func: Any) -> tuple[tuple[int, str, bool], ...]:
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
+@functools.lru_cache(maxsize=None)
+def _carries(func: Any) -> bool:
+    """Whether ``func`` maps values elementwise (or copies / views them), so an FP32 twin of its output exists."""
+    return func in _CARRY or torch.Tag.pointwise in getattr(func, "tags", ())
+
+
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for i, name, kw_only in _write_slots(func):
@@ -126,15 +132,18 @@ class _Shadow(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        writes, carries = _write_slots(func), _carries(func)
+        # Most ops of a step (GEMMs, reductions, the backward) neither write state nor carry values: pass them on.
+        if not (writes or carries) or self.meter.skip():
+            return func(*args, **kwargs)
         meter = self.meter
-        if meter.skip():
-            return func(*args, **kwargs)
-        hits = [m for t in _written(func, args, kwargs) if (m := meter.measure_for(t)) is not None]
-        if hits:
-            meter.shadow_write(func, args, kwargs, hits)
-            return func(*args, **kwargs)
+        if writes:
+            hits = [m for t in _written(func, args, kwargs) if (m := meter.measure_for(t)) is not None]
+            if hits:
+                meter.shadow_write(func, args, kwargs, hits)
+                return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if func in _CARRY or torch.Tag.pointwise in func.tags:
+        if carries and meter.has_known:
             meter.carry(func, args, kwargs, out)
         return out
 
@@ -161,12 +170,18 @@ class SwampMeter:
         self._eligible: dict[tuple[int, int], Candidate] = {}
         self._measures: dict[tuple[int, int], _Measure] = {}
         self._carried = WeakTensorKeyDictionary()
+        self._carried_ids: set[int] = set()
         self._mode: _Shadow | None = None
         self.step: int | None = None
 
     @property
     def active(self) -> bool:
         return self._mode is not None
+
+    @property
+    def has_known(self) -> bool:
+        """Whether any value could have an FP32 twin (an eligible tensor, or a value already carried)."""
+        return bool(self._eligible)
 
     def begin(self, step: int) -> bool:
         """Start measuring ``step``; False (and nothing entered) when the model holds no low-precision state."""
@@ -211,7 +226,7 @@ class SwampMeter:
             m = self._measures.get((x.data_ptr(), x.numel()))
             if m is not None and m.cand.tensor.dtype == x.dtype:
                 return m.intended.view(x.shape)
-        carried = self._carried.get(x)
+        carried = self._carried.get(x) if id(x) in self._carried_ids else None
         if carried is not None:
             return carried
         return x.float() if x.dtype in LOW_FLOATS else x
@@ -219,9 +234,11 @@ class SwampMeter:
     def _known_value(self, x: Any) -> bool:
         if not isinstance(x, torch.Tensor):
             return False
-        if x in self._carried:
+        # The id set is a fast first look (the weak dictionary's lookup builds a weak reference per call); a
+        # reused id only costs a needless FP32 twin.
+        if id(x) in self._carried_ids and x in self._carried:
             return True
-        return low_precision(x) and x.is_contiguous() and (x.data_ptr(), x.numel()) in self._eligible
+        return x.dtype in LOW_FLOATS and (x.data_ptr(), x.numel()) in self._eligible and x.is_contiguous()
 
     def shadow_write(self, func: Any, args: tuple, kwargs: dict, hits: list[_Measure]) -> None:
         """Run ``func`` on FP32 values, writing into the FP32 copies of the measured tensors it writes."""
@@ -238,8 +255,7 @@ class SwampMeter:
         """Give ``out`` its FP32 value when ``func`` read a measured or carried value no larger than ``out``."""
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
-        flat = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-        known = [x for x in flat if self._known_value(x)]
+        known = [x for x in (*args, *kwargs.values()) if self._known_value(x)]
         # A broadcast into something larger (a bias added to activations) is not state being updated.
         if not known or out.numel() > max(x.numel() for x in known):
             return
@@ -254,6 +270,7 @@ class SwampMeter:
             return
         if isinstance(value, torch.Tensor) and value.shape == out.shape:
             self._carried[out] = value
+            self._carried_ids.add(id(out))
 
     # -- the step's result ---------------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -261,7 +278,7 @@ class SwampMeter:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
-        self._measures, self._carried = {}, WeakTensorKeyDictionary()
+        self._measures, self._carried, self._carried_ids = {}, WeakTensorKeyDictionary(), set()
 
     def finish(self) -> list[dict]:
         """Leave the mode; one ``swamping`` event (fields, without ``event``) per tensor over a line."""
@@ -279,21 +296,23 @@ class SwampMeter:
 
 def measure_update(start: torch.Tensor, final: torch.Tensor, intended: torch.Tensor) -> dict | None:
     """The numbers of one tensor over one step: ``start`` and ``final`` stored values, ``intended`` the FP32
-    value; None when FP32 would not have moved it."""
+    value; None when FP32 would not have moved it. ``update_rel`` is the RMS of the FP32 update over that of the
+    values it moves (a typical relative update)."""
     s = start.float()
     want, got = intended.float() - s, final.float() - s
     # FP32 arithmetic has rounding of its own (m*t + (1-m)*t is not exactly t): a few fp32 ulps is no update.
-    moving = (want.abs() > _FP32_NOISE * s.abs()) & torch.isfinite(want) & torch.isfinite(got)
-    n = int(moving.sum())
-    if n == 0:
+    # NaN compares False, so a non-finite update is not counted as one.
+    moving = want.abs() > _FP32_NOISE * s.abs()
+    keep = moving.to(want.dtype)
+    counts = torch.stack([moving.sum().float(), (moving & (got == 0)).sum().float(),
+                          torch.linalg.vector_norm(got * keep), torch.linalg.vector_norm(want * keep),
+                          torch.linalg.vector_norm(s * keep)])
+    n, rounded, got_norm, want_norm, value_norm = counts.tolist()     # one device sync per tensor
+    if n == 0 or want_norm == 0:
         return None
-    want, got = torch.where(moving, want, 0.0), torch.where(moving, got, 0.0)
-    rounded = int((moving & (got == 0)).sum())
-    nonzero = moving & (s != 0)
-    rel = float((want.abs() / s.abs())[nonzero].median()) if bool(nonzero.any()) else None
-    return {"share_rounded": rounded / n, "realized_ratio": float(got.norm() / want.norm()), "elements": n,
-            "numel": start.numel(), "update_rel": rel, "half_ulp_rel": float(torch.finfo(start.dtype).eps) / 2,
-            "dtype": name_of(start.dtype)}
+    return {"share_rounded": rounded / n, "realized_ratio": got_norm / want_norm, "elements": int(n),
+            "numel": start.numel(), "update_rel": want_norm / value_norm if value_norm > 0 else None,
+            "half_ulp_rel": float(torch.finfo(start.dtype).eps) / 2, "dtype": name_of(start.dtype)}
 
 
 def describe(c: Candidate, row: dict) -> dict:
