@@ -234,3 +234,20 @@ def test_report_reads_swamping_and_preflight_events():
     (rec,) = s["recommendations"]
     assert rec["kind"] == "preflight" and "updates: 2 tensor(s) change -> keep them fp32" in rec["message"]
     assert "preflight" not in s["unknown_events"]
+
+
+def test_preflight_dry_forward_leaves_the_model_and_rng_as_they_were():
+    from ampaudit.train.preflight_state import updated_in_forward
+
+    mlp = load_module(ASSETS / "train_mlp.py")     # fp32 BatchNorm (its statistics, its counter) and dropout
+    model = cast_model_o2(mlp.build_model(), torch.bfloat16)
+    model.register_buffer("ema", torch.ones(4, dtype=torch.bfloat16))
+    forward = model.forward
+    model.forward = lambda x: (model.ema.mul_(0.5), forward(x))[1]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    found = updated_in_forward(model, next(iter(mlp.train_data())), dtype=torch.bfloat16,
+                               skip=list(model.parameters()))
+    assert [(n, k) for n, k, _ in found] == [("ema", "buffer")]      # the fp32 BatchNorm stats are not reported
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -103,8 +103,12 @@ def _write_slots(func: Any) -> tuple[tuple[int, str, bool], ...]:
     schema = getattr(func, "_schema", None)
     if schema is None:
         return ()
+    # native_batch_norm (and the cuDNN / MIOpen ones) update running_mean / running_var in training without saying
+    # so in their schema.
+    unmarked = "batch_norm" in schema.name
     return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+                 if (a.alias_info is not None and a.alias_info.is_write)
+                 or (unmarked and a.name in ("running_mean", "running_var")))
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,8 @@ its value (swamping, :mod:`ampaudit.runtime.swamping`). Two checks, run by the t
 
 ``updates``: one dry forward of the first batch (autocast, no_grad, training mode) under a dispatch mode that
 records which low-precision parameters and buffers its ops write into (an EMA / momentum teacher, running
-statistics, a counter); what it wrote is put back and the RNG restored, so training starts as it would have.
+statistics, a counter); whatever it wrote (fp32 BatchNorm statistics too) is put back and the RNG restored, so
+training starts as it would have.
 Trainable low-precision parameters with no master are named too. Updates made outside the forward (a user's loop
 between steps) are not seen here; the watch measures those on its sampled steps. ``optimizer state``: the dtype
 of each state the optimizer keeps (exp_avg, exp_avg_sq, momentum_buffer ...), read from its state when it has one,
@@ -42,14 +43,14 @@ STANDIN_ELEMENTS = 1 << 16
 class _WriteRecorder(TorchDispatchMode):
     """Records the watched tensors an op writes into, saving each one's value before its first write."""
 
-    def __init__(self, watched: dict[int, tuple[str, torch.Tensor]]):
+    def __init__(self, watched: dict[int, tuple[str, str, torch.Tensor]]):
         super().__init__()
         self.watched, self.saved = watched, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in _written(func, args, kwargs):
-            key = t.data_ptr() if low_precision(t) else None
+            key = t.data_ptr()
             if key in self.watched and key not in self.saved:
                 self.saved[key] = t.detach().clone()
         return func(*args, **kwargs)
@@ -63,12 +64,13 @@ def updated_in_forward(model: nn.Module, batch: Any, *, dtype: torch.dtype,
     from ampaudit.train.data import split_batch
 
     skipped = {id(t) for t in skip}
+    # Every parameter and buffer is watched, so whatever the dry forward writes (fp32 BatchNorm statistics and
+    # counters too) is put back; only the low-precision ones are reported.
     watched: dict[int, tuple[str, str, torch.Tensor]] = {}
     for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
-            if id(t) not in skipped and low_precision(t):
-                watched.setdefault(t.data_ptr(), (name, kind, t))
-    if not watched:
+            watched.setdefault(t.data_ptr(), (name, kind, t))
+    if not any(low_precision(t) and id(t) not in skipped for _, _, t in watched.values()):
         return []
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -82,7 +84,8 @@ def updated_in_forward(model: nn.Module, batch: Any, *, dtype: torch.dtype,
             for key, value in recorder.saved.items():
                 watched[key][2].copy_(value)
         restore_rng(rng)
-    return [watched[key] for key in recorder.saved]
+    return [watched[key] for key in recorder.saved
+            if low_precision(watched[key][2]) and id(watched[key][2]) not in skipped]
 
 
 def check_updates(model: nn.Module, batch: Any, *, dtype: torch.dtype,
