@@ -251,3 +251,14 @@ def test_preflight_dry_forward_leaves_the_model_and_rng_as_they_were():
     assert [(n, k) for n, k, _ in found] == [("ema", "buffer")]      # the fp32 BatchNorm stats are not reported
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_html_page_shows_swamping():
+    pytest.importorskip("plotly")
+    from ampaudit.report.html import build_html
+
+    ev = {"event": "swamping", "step": 2, "tensor": "ema.<w>", "module": "ema", "kind": "param", "dtype": "bfloat16",
+          "share_rounded": 0.97, "realized_ratio": 0.04, "why": "no FP32 master", "fix": "keep ema in float32"}
+    page = build_html([{"event": "meta", "step": None, "version": 3}, {"event": "step", "step": 1, "loss": 1.0}, ev])
+    assert "swamping</td>" in page and "<b>ema.&lt;w&gt;</b> (bfloat16): 97% of updates rounded away" in page
+    assert "keep ema in float32" in page and "looks healthy" not in page
