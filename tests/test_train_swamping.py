@@ -126,7 +126,7 @@ def test_cli_ema_teacher_is_traced_and_report_warns(tmp_path):
     text = " ".join(r.output.split())
     assert "looks healthy" not in text
     assert "Swamping" in text and "teacher.0.weight" in text and "rounded away" in text
-    assert "Fix: keep teacher.0 in float32" in text
+    assert "Fix: keep teacher in float32" in text
 
 
 def test_fp32_teacher_and_o1_runs_stay_quiet(tmp_path):

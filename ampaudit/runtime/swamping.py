@@ -64,6 +64,7 @@ class Candidate:
     kind: str
     tensor: torch.Tensor
     frozen: bool = False
+    owner: str = ""              # the module to keep in float32 (a frozen copy's outermost module)
     measured_at: int = -1
 
 
@@ -78,13 +79,28 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
+def _frozen_owner(name: str, training: set[str]) -> str:
+    """The outermost module above parameter ``name`` that holds no trainable parameter (else its own module)."""
+    parts = name.split(".")[:-1]
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if prefix not in training:
+            return prefix
+    return _module_of(name)
+
+
 def candidates(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                mastered: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None) -> list[Candidate]:
     """Every low-precision float parameter and buffer of ``model`` (less ``mastered``: parameters whose FP32 master
     holds the updates) and every low-precision state of ``optimizer`` (named ``<param>.<state key>`` through
     ``names``: id(optimizer parameter) -> model parameter name)."""
     skip = {id(t) for t in mastered}
-    out = [Candidate(n, _module_of(n), "param", p, frozen=not p.requires_grad)
+    # A frozen copy (an EMA teacher) is named by its outermost module that trains nothing: "teacher", not
+    # "teacher.0", is what to keep in float32.
+    training = {".".join(n.split(".")[:i]) for n, p in model.named_parameters() if p.requires_grad
+                for i in range(n.count(".") + 1)}
+    out = [Candidate(n, _module_of(n), "param", p, frozen=not p.requires_grad,
+                     owner=_frozen_owner(n, training) if not p.requires_grad else _module_of(n))
            for n, p in model.named_parameters() if id(p) not in skip and low_precision(p)]
     out += [Candidate(n, _module_of(n), "buffer", b) for n, b in model.named_buffers() if low_precision(b)]
     if optimizer is not None:
@@ -209,27 +225,37 @@ class SwampMeter:
         return True
 
     # -- inside the mode -----------------------------------------------------------------------------------------
+    def _lookup(self, t: torch.Tensor, table: dict) -> Any:
+        """``table``'s entry for the candidate whose elements ``t`` holds: the tensor itself (``.data`` too), or a
+        contiguous view of a contiguous one."""
+        if t.dtype not in LOW_FLOATS:
+            return None
+        entry = table.get((t.data_ptr(), t.numel()))
+        if entry is None:
+            return None
+        c = entry.cand.tensor if isinstance(entry, _Measure) else entry.tensor
+        same = c.dtype == t.dtype and ((c.shape == t.shape and c.stride() == t.stride())
+                                       or (c.is_contiguous() and t.is_contiguous()))
+        return entry if same else None
+
     def measure_for(self, t: torch.Tensor) -> _Measure | None:
         """The measure of the eligible tensor ``t`` writes into (started now if this is its first write)."""
-        if not low_precision(t) or not t.is_contiguous():
-            return None
-        key = (t.data_ptr(), t.numel())
-        m = self._measures.get(key)
+        m = self._lookup(t, self._measures)
         if m is None:
-            cand = self._eligible.get(key)
-            if cand is None or cand.tensor.dtype != t.dtype:
+            cand = self._lookup(t, self._eligible)
+            if cand is None:
                 return None
-            m = self._measures[key] = _Measure(cand, t.detach().clone(), t.detach().float())
+            m = self._measures[(t.data_ptr(), t.numel())] = _Measure(cand, cand.tensor.detach().clone(),
+                                                                       cand.tensor.detach().float())
         return m
 
     def _lift(self, x: Any) -> Any:
         """``x`` as FP32 would hold it: a measured tensor's FP32 copy, a carried value, or the upcast."""
         if not isinstance(x, torch.Tensor):
             return x
-        if low_precision(x) and x.is_contiguous():
-            m = self._measures.get((x.data_ptr(), x.numel()))
-            if m is not None and m.cand.tensor.dtype == x.dtype:
-                return m.intended.view(x.shape)
+        m = self._lookup(x, self._measures)
+        if m is not None:
+            return m.intended if m.intended.shape == x.shape else m.intended.view(x.shape)
         carried = self._carried.get(x) if id(x) in self._carried_ids else None
         if carried is not None:
             return carried
@@ -242,7 +268,7 @@ class SwampMeter:
         # reused id only costs a needless FP32 twin.
         if id(x) in self._carried_ids and x in self._carried:
             return True
-        return x.dtype in LOW_FLOATS and (x.data_ptr(), x.numel()) in self._eligible and x.is_contiguous()
+        return self._lookup(x, self._eligible) is not None
 
     def shadow_write(self, func: Any, args: tuple, kwargs: dict, hits: list[_Measure]) -> None:
         """Run ``func`` on FP32 values, writing into the FP32 copies of the measured tensors it writes."""
@@ -335,7 +361,7 @@ def describe(c: Candidate, row: dict) -> dict:
                "....float() after the O2 cast: ops read it in their own dtype), or accumulate in an FP32 copy")
     elif c.frozen:
         why = f"no FP32 master: a copy of the weights updated in place (EMA / momentum teacher) in {dtype}: {size}"
-        fix = (f"keep {c.module or 'this module'} in float32 (.float() after the O2 cast; an EMA needs no "
+        fix = (f"keep {c.owner or c.module or 'this module'} in float32 (.float() after the O2 cast; an EMA needs no "
                "low-precision copy), or give it an FP32 master and round into it after each update; Kahan "
                "summation or stochastic rounding also keep the small updates")
     else:
