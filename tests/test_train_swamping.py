@@ -262,3 +262,13 @@ def test_html_page_shows_swamping():
     page = build_html([{"event": "meta", "step": None, "version": 3}, {"event": "step", "step": 1, "loss": 1.0}, ev])
     assert "swamping</td>" in page and "<b>ema.&lt;w&gt;</b> (bfloat16): 97% of updates rounded away" in page
     assert "keep ema in float32" in page and "looks healthy" not in page
+
+
+def test_preflight_only_names_the_teacher_and_exits_0():
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["train", str(PLANTED / "ema_teacher_bf16.py"), "--opt-level",
+                                                       "O2", "--dtype", "bfloat16", "--device", "cpu",
+                                                       "--preflight-only"])
+    assert r.exit_code == 0, r.output          # a warning, not a refusal: the run is valid
+    (line,) = [x for x in r.output.splitlines() if x.startswith("warn updates")]
+    assert "teacher.0.weight (parameter, bfloat16, updated in forward)" in line and "model.teacher.float()" in line
+    assert "ok   optimizer state: SGD keeps its states in float32" in r.output

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -133,7 +133,8 @@ def _carries(func: Any) -> bool:
     return func in _CARRY or torch.Tag.pointwise in getattr(func, "tags", ())
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op ``func`` called with ``args`` / ``kwargs`` writes into (lists flattened)."""
     out: list[torch.Tensor] = []
     for i, name, kw_only in _write_slots(func):
         value = kwargs.get(name) if kw_only or i >= len(args) else args[i]
@@ -158,7 +159,7 @@ class _Shadow(TorchDispatchMode):
             return func(*args, **kwargs)
         meter = self.meter
         if writes:
-            hits = [m for t in _written(func, args, kwargs) if (m := meter.measure_for(t)) is not None]
+            hits = [m for t in written_tensors(func, args, kwargs) if (m := meter.measure_for(t)) is not None]
             if hits:
                 meter.shadow_write(func, args, kwargs, hits)
                 return func(*args, **kwargs)
@@ -371,4 +372,5 @@ def describe(c: Candidate, row: dict) -> dict:
     return {"tensor": c.name, "module": c.module, "kind": c.kind, **row, "why": why, "fix": fix}
 
 
-__all__ = ["LOW_FLOATS", "Candidate", "SwampMeter", "candidates", "describe", "low_precision", "measure_update"]
+__all__ = ["LOW_FLOATS", "Candidate", "SwampMeter", "candidates", "describe", "low_precision", "measure_update",
+           "written_tensors"]

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
-from ampaudit.runtime.swamping import LOW_FLOATS, _written, low_precision
+from ampaudit.runtime.swamping import LOW_FLOATS, low_precision, written_tensors
 from ampaudit.train.preflight import Check
 
 SHOWN = 4
@@ -49,7 +49,7 @@ class _WriteRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in _written(func, args, kwargs):
+        for t in written_tensors(func, args, kwargs):
             key = t.data_ptr()
             if key in self.watched and key not in self.saved:
                 self.saved[key] = t.detach().clone()
