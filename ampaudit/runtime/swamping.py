@@ -349,9 +349,14 @@ def measure_update(start: torch.Tensor, final: torch.Tensor, intended: torch.Ten
 def describe(c: Candidate, row: dict) -> dict:
     """The event's fields: the numbers, ``tensor``, ``module``, ``kind``, and ``why`` / ``fix`` in words."""
     dtype = row["dtype"]
-    size = (f"updates of ~{row['update_rel']:.1e} of the value, below half a {dtype} ulp "
-            f"({row['half_ulp_rel']:.1e} of it)" if row["update_rel"] is not None else
-            f"updates below half a {dtype} ulp")
+    rel, half = row["update_rel"], row["half_ulp_rel"]
+    rounded = f"{row['share_rounded']:.0%} of them below half a {dtype} ulp"
+    if rel is None:
+        size = f"updates, {rounded}"
+    elif rel < half:
+        size = f"updates of ~{rel:.1e} of the value (RMS), below half a {dtype} ulp ({half:.1e} of it)"
+    else:   # large on average, yet most elements' updates (or most of the movement) rounded away
+        size = f"updates of ~{rel:.1e} of the value (RMS), {rounded} ({half:.1e} of the value)"
     if c.kind == "optimizer_state":
         why = f"optimizer state kept in {dtype}: its running averages take {size}"
         fix = ("keep optimizer states in float32 (build the optimizer over FP32 master weights), or use one with "
@@ -366,7 +371,7 @@ def describe(c: Candidate, row: dict) -> dict:
                "low-precision copy), or give it an FP32 master and round into it after each update; Kahan "
                "summation or stochastic rounding also keep the small updates")
     else:
-        why = f"no FP32 master: the parameter is stepped in {dtype} and lr*grad is {size}"
+        why = f"no FP32 master: the parameter is stepped in {dtype}, and lr*grad makes {size}"
         fix = ("train it with FP32 master weights (opt level O2 / FSDP's fp32 shards), or use an optimizer with "
                "Kahan summation or stochastic rounding (torchao's bf16_stochastic_round)")
     return {"tensor": c.name, "module": c.module, "kind": c.kind, **row, "why": why, "fix": fix}
