@@ -143,8 +143,10 @@ def run_planted() -> list[dict]:
         mod = _load(path)
         expect = getattr(mod, "EXPECT", {})
         culprit = expect.get("culprit")
-        if culprit is None:
-            continue  # speed-only or training-only models have no module to locate
+        if culprit is None or expect.get("phase") == "training":
+            # speed-only models have no module to locate; a training fault (state that loses its updates) shows in
+            # no single pass, so check cannot see it: train --trace + report name it (tests/test_train_swamping.py)
+            continue
         target = expect.get("target", {"device": "cpu", "dtype": "float16"})
         model = mod.build_model()
         inputs = mod.example_inputs()

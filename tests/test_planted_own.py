@@ -3,7 +3,8 @@ static rule can prove.
 
 Each model runs in FP32 and under CPU autocast of its target dtype (a CUDA target runs with the CPU dtype): FP32 must
 be finite, forward and backward; the low-precision run must show the fault: a non-finite output or a relative error
-above 10% (forward faults), or a finite output with a non-finite gradient (backward faults).
+above 10% (forward faults), or a finite output with a non-finite gradient (backward faults). Training faults (phase
+"training": state updated in place that loses its updates) are trained in tests/test_train_swamping.py.
 """
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ def test_expect_is_complete(path):
     assert set(expect) >= {"culprit", "families", "target", "phase"}
     assert set(expect["families"]) <= FAMILIES
     assert expect["target"]["device"] in ("cpu", "cuda") and expect["target"]["dtype"] in ("float16", "bfloat16")
-    assert expect["phase"] in ("forward", "backward")
+    assert expect["phase"] in ("forward", "backward", "training")
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_fault_is_real_and_fp32_is_fine(path):
     m = load_module(path)
+    if m.EXPECT["phase"] == "training":
+        pytest.skip("a fault of training state, not of one pass: tests/test_train_swamping.py trains it")
     dtype = getattr(torch, m.EXPECT["target"]["dtype"])
     inputs = tuple(m.example_inputs())
     ref, _ = _run(m, None, inputs)

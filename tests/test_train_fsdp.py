@@ -61,7 +61,8 @@ def test_two_ranks_accum_2_equal_one_rank_accum_4_and_ddp(blocks, tmp_path, one_
     events, problems = read_trace(tmp_path / "fsdp.jsonl")
     assert not problems and events[0]["fsdp"] and events[0]["world_size"] == 2
     checks = next(e for e in events if e["event"] == "preflight")["checks"]
-    assert [c["name"] for c in checks] == ["groups", "masters", "reduce", "memory", "all-reduce"]
+    assert [c["name"] for c in checks] == ["groups", "masters", "updates", "optimizer state", "reduce", "memory",
+                                           "all-reduce"]
     assert all(c["status"] == "ok" for c in checks), checks
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert losses == pytest.approx(result.losses, rel=1e-4)     # the mean over ranks

@@ -100,7 +100,7 @@ def test_preflight_only_prints_one_line_per_check_and_exits_0_or_1():
     assert good.returncode == 0, good.stderr
     lines = good.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["ok   groups", "ok   masters", "ok   reduce", "ok   memory",
-                                                      "ok   all-reduce"]
+                                                      "ok   all-reduce", "ok   updates", "ok   optimizer state"]
     bad = _preflight_cli("mixed_dtype_model", "--reduce-dtype", "float16")
     assert bad.returncode == 1, bad.stderr
     failing = [line for line in bad.stdout.splitlines() if line.startswith("FAIL")]

@@ -154,7 +154,8 @@ def train(
         from ampaudit.train.preflight import preflight_only as run_checks
 
         checks = run_checks(loaded.model, dtype=dtype, opt_level=opt_level, accum=accum, fsdp=fsdp, fsdp_wrap=wrap,
-                            reduce_dtype=reduce_dtype, device=device, optimizer=loaded.hook("make_optimizer"))
+                            reduce_dtype=reduce_dtype, device=device, optimizer=loaded.hook("make_optimizer"),
+                            train_data=train_data)
         raise typer.Exit(1 if any(c.status == "fail" for c in checks) else 0)
     from ampaudit.train.batchnorm import SmallBatchWarning
     warnings.filterwarnings("ignore", category=SmallBatchWarning)   # printed below as one line instead

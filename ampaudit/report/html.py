@@ -73,6 +73,12 @@ def _facts(s: dict) -> str:
                                          f"({_e(first.get('op') or '?')}){where}"))
     if (s.get("eval") or {}).get("count"):
         rows.append(("eval", _eval_fact(s["eval"])))
+    tensors = (s.get("swamping") or {}).get("tensors") or []
+    if tensors:
+        rows.append(("swamping", "; ".join(
+            f"<b>{_e(r['tensor'])}</b> ({_e(r['dtype'] or '?')}): {fmt(r['share_rounded'], '.0%')} of updates "
+            f"rounded away, {fmt(r['realized_ratio'], '.0%')} of the FP32 movement kept" for r in tensors[:5])
+            + (f"; {len(tensors) - 5} more" if len(tensors) > 5 else "")))
     if s["halt"]:
         rows.append(("halted", f"step {_e(s['halt']['step'])}: {_e(s['halt']['reason'])}"))
     # Values above are numbers or escaped already; labels are fixed strings.

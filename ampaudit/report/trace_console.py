@@ -185,6 +185,10 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         from ampaudit.report.trace_eval import render_eval
         render_eval(summary["eval"], c)
 
+    if (summary.get("swamping") or {}).get("tensors"):
+        from ampaudit.report.trace_swamping import render_swamping
+        render_swamping(summary["swamping"], c)
+
     c.print("\n[bold]Recommendations[/]")
     if not summary["recommendations"]:
         c.print("  none: the run looks healthy" if summary["steps"]["count"] else "  none: the trace holds no steps")

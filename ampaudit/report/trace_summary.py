@@ -1,6 +1,6 @@
 """A trace's mixed-precision health as one plain dict: steps, skips, loss scale, first non-finite, divergence,
 headroom, float8 layers (:mod:`ampaudit.report.trace_fp8`), gradient magnitudes (:mod:`ampaudit.report.grad_hist`),
-recommendations.
+swamping of low-precision state (:mod:`ampaudit.report.trace_swamping`), recommendations.
 
     from ampaudit.report.trace_summary import summarize_trace
     summary = summarize_trace("run.jsonl", top=5)
@@ -85,6 +85,8 @@ class TraceData:
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
     fp8_budget: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
+    swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
+    preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -118,6 +120,7 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
     from ampaudit.report.trace_eval import eval_row
     from ampaudit.report.grad_hist import hist_row
+    from ampaudit.report.trace_swamping import preflight_rows, swamping_row
 
     data = TraceData()
     last_step = 0
@@ -181,6 +184,12 @@ def collect(events: Iterable[dict]) -> TraceData:
             data.fp8_budget.append(budget_row(ev, step))
         elif kind == "eval":
             data.evals.append(eval_row(ev, step))
+        elif kind == "swamping":
+            row = swamping_row(ev, step)
+            if row is not None:
+                data.swamping.append(row)
+        elif kind == "preflight":
+            data.preflight += preflight_rows(ev)
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -339,6 +348,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.report.grad_hist import grad_hist_summary
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
+    from ampaudit.report.trace_swamping import swamping_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -371,6 +381,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "fp8": fp8_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
         "eval": eval_summary(data),
+        "swamping": swamping_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,

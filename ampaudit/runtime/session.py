@@ -21,6 +21,9 @@ The trainer measures the gradient norm itself (it clips) and writes its own even
     session.close_watch(); session.write("halt", step=step, ...)   # the watch's statistics go before the halt
     session.close()
 
+On the steps the statistics sample, in-place updates of low-precision state that round away are measured
+(``swamping`` events, :mod:`ampaudit.runtime.swamping`; the trainer adds its optimizer and FP32 masters with
+``session.measure_updates(optimizer=..., mastered=..., names=...)``).
 Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``), the ``step`` events and, when the
 model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
 (:mod:`ampaudit.runtime.fp8_stats`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
@@ -47,6 +50,7 @@ from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
 
 if TYPE_CHECKING:
     from ampaudit.runtime.fp8_stats import Fp8Stats
+    from ampaudit.runtime.swamping import SwampMeter
     from ampaudit.runtime.watch import Watch
 
 
@@ -122,6 +126,8 @@ class WatchSession:
             require("tensorboard", extra="tensorboard", feature="tensorboard=")
         self.watch: Watch | None = None
         self.fp8: Fp8Stats | None = None
+        self.swamp: SwampMeter | None = None
+        self._model: nn.Module | None = None
         self.writer: TraceWriter | None = None
         self._owns_writer = False
         self._buffer: io.StringIO | None = None
@@ -191,6 +197,23 @@ class WatchSession:
             # None unless the model holds torchao Float8Linear layers (a plan's): then `fp8` events too.
             self.fp8 = Fp8Stats.attach(model, self.writer, every=self.every, fallback=self.fp8_fallback,
                                        skip=lambda: self.watch is not None and self.watch.replaying)
+            self._model = model
+            self.measure_updates()
+
+    def measure_updates(self, *, optimizer: torch.optim.Optimizer | None = None,
+                        mastered: list[torch.Tensor] | tuple = (), names: dict[int, str] | None = None) -> None:
+        """Measure swamping (:mod:`ampaudit.runtime.swamping`) of the model's low-precision state on the steps
+        the statistics sample: ``optimizer``'s states too, less the ``mastered`` parameters (an FP32 master takes
+        their updates); ``names``: id(optimizer parameter) -> parameter name. :meth:`start` measures the model's
+        parameters and buffers alone; the trainer calls this after it with its optimizer and masters."""
+        if self.watch is None or not self.stats:
+            return
+        from ampaudit.runtime.swamping import SwampMeter
+
+        if self.swamp is not None:
+            self.swamp.abort()
+        self.swamp = SwampMeter(self._model, optimizer=optimizer, mastered=mastered, names=names,
+                                skip=lambda: self.watch is not None and self.watch.replaying)
 
     def begin_step(self, step: int) -> None:
         """Number what follows ``step``; the step's clock starts at its first micro-batch."""
@@ -201,6 +224,10 @@ class WatchSession:
         if self._step != step or self._t0 is None:
             self._step, self._t0 = step, time.perf_counter()
             self._losses, self._norms = [], ([], None, 1.0)
+            # Swamping is measured over the whole step (forward, backward, optimizer, in-place updates), on the
+            # steps the statistics sample: the first and one per `every`.
+            if self.swamp is not None and (step == self._first_step or step % self.every == 0):
+                self.swamp.begin(step)
         self.watch.set_step(step)
         if self.fp8 is not None:
             self.fp8.begin_step(step)
@@ -271,6 +298,9 @@ class WatchSession:
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
         if self.fp8 is not None:     # the step's fp8 events (its backward is done) go before its `step` line
             self.fp8.end_step(self._step)
+        if self.swamp is not None and self.swamp.active:   # the optimizer has stepped: the step's updates are in
+            for event in self.swamp.finish():
+                self.writer.write("swamping", **event)
         # The scale this step's gradients carried, for its grad_hist events; no scale is no scaler: 1.
         self.watch.set_loss_scale(scale or 1.0)
         self.writer.write("step", step=self._step, loss=loss, scale=scale, skipped=bool(skipped),
@@ -338,6 +368,9 @@ class WatchSession:
         """Flush the watch's statistics and remove its hooks; the trace stays open for :meth:`write`."""
         watch, self.watch = self.watch, None
         fp8, self.fp8 = self.fp8, None
+        swamp, self.swamp = self.swamp, None
+        if swamp is not None:
+            swamp.abort()
         if fp8 is not None:
             fp8.close()
         if watch is not None:

@@ -22,6 +22,16 @@ the eval batches or null), ``preflight`` (the trainer's checks: ``checks: [{name
 in the trainer's ``meta``, ``lr_policy`` (warmup_steps, scale, base_batch, micro_batch, effective_batch, factor),
 ``fsdp`` and ``compile``. A version-1 trace is a version-2 trace without them, so readers take both; a reader of
 version 1 skips the new kinds as unknown. New kinds are additive: a reader skips kinds it does not know.
+
+Version 3 adds ``swamping`` (:mod:`ampaudit.runtime.swamping`): on a step the statistics sample, one event per
+tensor stored in fp16/bf16/fp8 without an FP32 master whose in-place updates (optimizer step, an EMA / momentum
+teacher, a buffer the forward updates, bf16 optimizer state) rounded away: ``tensor`` (its name: a parameter,
+buffer, or ``<param>.<state key>``), ``module``, ``kind`` (param | buffer | optimizer_state), ``dtype``,
+``share_rounded`` (of the elements whose FP32 update was nonzero, the share whose stored value did not move),
+``realized_ratio`` (norm of the stored delta / norm of the FP32 delta over the step), ``elements`` (elements FP32
+would have moved), ``numel``, ``update_rel`` (median |FP32 update| / |value|, null when unknown), ``half_ulp_rel``
+(half an ulp of the dtype, relative), ``why`` and ``fix`` (words). Written only past the ``[swamping]`` lines of
+rules/policy/settings.toml. A version-2 trace is a version-3 trace without them.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ from typing import IO, Any
 from ampaudit.errors import TraceError
 
 # Also the newest version ampaudit report reads (it reads 1 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 2
+TRACE_VERSION = 3
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
 BULK_EVENTS = frozenset({"stats", "grad_hist"})
 

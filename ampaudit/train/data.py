@@ -144,16 +144,21 @@ def batch_size(batch: Any) -> int:
     return int(found.shape[0])
 
 
-def first_batch_size(factory: Any) -> int:
-    """The micro-batch size of the first batch ``factory()`` yields (read once, before training starts; the RNG
-    states are restored after it, so a ``train_data`` drawing from the global generators trains as it would)."""
+def first_batch(factory: Any) -> Any:
+    """The first batch ``factory()`` yields, or None (read before training starts; the RNG states are restored
+    after it, so a ``train_data`` drawing from the global generators trains as it would)."""
     from ampaudit.train.checkpoint import capture_rng, restore_rng
 
     rng = capture_rng()
     try:
-        batch = next(iter(factory()), None)
+        return next(iter(factory()), None)
     finally:
         restore_rng(rng)
+
+
+def first_batch_size(factory: Any) -> int:
+    """The micro-batch size of the first batch ``factory()`` yields (:func:`first_batch`)."""
+    batch = first_batch(factory)
     if batch is None:
         raise TrainError("train_data() yielded no batches", hint="make it yield (inputs, target) pairs")
     return batch_size(batch)

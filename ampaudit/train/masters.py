@@ -77,6 +77,11 @@ class MasterWeights:
             self.masters.append(master)
         self._pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if p is not m]
 
+    @property
+    def mastered(self) -> list[nn.Parameter]:
+        """The model's low-precision parameters that have an FP32 master (their rounding loses no update)."""
+        return [p for p, _ in self._pairs]
+
     def parameters(self) -> list[torch.Tensor]:
         """The master parameters, for the optimizer."""
         return list(self.masters)

@@ -10,7 +10,9 @@ The checks (names as printed): ``groups`` (one parameter dtype per FSDP group: f
 trains without master weights), ``reduce`` (the gradient reduction dtype and its overflow risk), ``memory``
 (per-rank bytes predicted for parameters, gradients, optimizer state and gathered weights, against the device),
 ``all-reduce`` (AVG against SUM/N on this process group, the reduction FSDP and DDP use for fp32/bf16). The
-all-reduce test is collective: every rank must call :func:`run_preflight`.
+all-reduce test is collective: every rank must call :func:`run_preflight`. Under O2 and FSDP, ``updates`` and
+``optimizer state`` (:mod:`ampaudit.train.preflight_state`) warn about training state that will change in low
+precision without an FP32 master.
 """
 from __future__ import annotations
 
@@ -217,9 +219,11 @@ def resource_checks(model: nn.Module, *, dtype: torch.dtype, reduce_dtype: torch
 def preflight_only(model: nn.Module, *, dtype: str | torch.dtype = "float16", opt_level: str = "O1",
                    accum: int = 1, fsdp: bool = False, fsdp_wrap: Sequence[str] | None = None,
                    reduce_dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                   optimizer=None, echo=print) -> list[Check]:
+                   optimizer=None, train_data=None, echo=print) -> list[Check]:
     """``ampaudit train --preflight-only``: every check of the run these settings describe, on the model as loaded
-    (nothing is sharded or trained); rank 0 prints one line each. Joins and leaves the process group itself."""
+    (nothing is sharded or trained; under O2 it is cast as the trainer would); rank 0 prints one line each. Joins
+    and leaves the process group itself. ``train_data``: its first batch runs the dry forward of the ``updates``
+    check (:mod:`ampaudit.train.preflight_state`, O2 and FSDP only)."""
     from ampaudit.dtypes import parse_train_dtype
     from ampaudit.train import ddp
     from ampaudit.train.data import resolve_device
@@ -239,6 +243,11 @@ def preflight_only(model: nn.Module, *, dtype: str | torch.dtype = "float16", op
         checks += resource_checks(model, dtype=dtype, reduce_dtype=reduce_dtype, world_size=ctx.world_size,
                                   accum=accum, fsdp=fsdp, units=units, opt_level=opt_level,
                                   optimizer=opt if isinstance(opt, torch.optim.Optimizer) else None, device=target)
+        if opt_level == "O2" or fsdp:      # what will change during training is mastered or fp32
+            from ampaudit.train.preflight_state import planned_state_checks
+
+            checks += planned_state_checks(model, dtype=dtype, fsdp=fsdp, optimizer=optimizer,
+                                           train_data=train_data)
         if ctx.is_main:
             for check in checks:
                 echo(check.line())

@@ -55,6 +55,7 @@ from ampaudit.train.evaluate import Evaluator
 from ampaudit.train.lr import LRPolicy
 from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
 from ampaudit.train.preflight import Check, resource_checks, structure_checks
+from ampaudit.train.preflight_state import STATE_CHECKS, check_optimizer_state, check_updates_of
 from ampaudit.train.progress import TrainProgress
 from ampaudit.train.scaler import LossScaler, scaler_for
 from ampaudit.train.setup import build_optimizer, check_distributed, check_options, enforce, synchronised_batchnorm
@@ -150,6 +151,14 @@ class Trainer(TrainerState):
         else:
             # Under FSDP, O2 is what the sharded fp32 parameters already are: masters, cast for compute.
             refuse_low_precision_weights(model)
+        factory = as_factory(train_data)
+        # Tensors that change in place in low precision without an FP32 master lose their small updates: looked for
+        # under O2 (after the cast, which O2's masters will cover for trainable parameters) and FSDP (before the
+        # shard: a dry forward of the plain model needs no collective). Warnings: the run is valid.
+        self._state_preflight = preflight and (self.opt_level == "O2" or self.fsdp)
+        if self._state_preflight:
+            self.preflight.append(check_updates_of(model, factory, dtype=self.dtype,
+                                                   mastered=[p for p in model.parameters() if p.requires_grad]))
         if sync_bn and self.dist.enabled:   # before the wrap: DDP / FSDP must see the modules they will run
             model = convert_for_ddp(model, self.device, divergence_every=divergence_every,
                                     alone=lambda: self.session.replaying)   # rank 0's watch replays alone
@@ -172,7 +181,8 @@ class Trainer(TrainerState):
         if not params:
             raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
         self.optimizer = build_optimizer(optimizer, params, lr, masters=self.masters is not None)
-        factory = as_factory(train_data)
+        if self._state_preflight:
+            self.preflight.append(check_optimizer_state(self.optimizer, {id(t): n for n, t in self._named}))
         # Scaled before the scheduler is built, so its base LRs are the scaled ones (ampaudit.train.lr).
         self._lr_policy = LRPolicy.build(self.optimizer, factory, micro_batch=micro_batch,
                                          warmup_steps=warmup_steps, scale=scale_lr, base_batch=base_batch,
@@ -211,6 +221,9 @@ class Trainer(TrainerState):
         found = warn_small_batches(model, factory, micro_batch=known, accum=accum,
                                    world_size=self.dist.world_size) if self.dist.is_main else None
         self.warnings: list[str] = [found] if found else []
+        if self.dist.is_main:       # the state preflight warns; ampaudit train prints these at the start
+            self.warnings += [f"preflight {c.name}: {c.message} -> {c.hint}" for c in self.preflight
+                              if c.status == "warn" and c.name in STATE_CHECKS]
         if found:
             self._meta.setdefault("warnings", self.warnings)
         if checkpoint_activations:      # "auto" or class names (ampaudit.train.activations); recomputes unwatched
@@ -259,6 +272,9 @@ class Trainer(TrainerState):
         # a resumed or continued run extends its trace
         self.session.start(self.model, dtype=self.dtype, source="train", step=self.step,
                            append=resumed or self.step > 0, meta=self._trace_meta())
+        # Swamping: the optimizer's states are measured too, and O2's masters hold their parameters' updates.
+        self.session.measure_updates(optimizer=self.optimizer, names={id(t): n for n, t in self._named},
+                                     mastered=self.masters.mastered if self.masters is not None else [])
         if self.preflight and not resumed:
             self.session.write("preflight", step=self.step, checks=[c.to_dict() for c in self.preflight])
         losses: list[float] = []

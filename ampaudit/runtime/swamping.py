@@ -1,0 +1,381 @@
+"""Swamping: updates of low-precision training state that round away, measured on the watch's sampled steps.
+
+A tensor that changes during training and is stored in fp16/bf16/fp8 without an FP32 master (an EMA or momentum
+teacher copy of the weights, a buffer its forward updates in place, parameters stepped in bf16, bf16 optimizer
+state) loses every update smaller than half an ulp of its value: round-to-nearest puts ``value + delta`` back on
+``value``. An EMA at momentum 0.999 moves each weight by ~1e-3 of its distance to the student per step, far below
+bf16's half ulp (2^-9 to 2^-8 of the value), so it barely moves at all.
+
+    meter = SwampMeter(model, optimizer=opt, mastered=masters.model_params, skip=lambda: watch.replaying)
+    meter.begin(step)            # a sampled step: intercept in-place writes from here on
+    ...forward, backward, optimizer.step(), EMA updates...
+    for event in meter.finish(): writer.write("swamping", **event)
+
+How: while a step is measured, a ``TorchDispatchMode`` sees every aten op. An op that writes (its schema marks
+the argument ``Tensor(a!)``: ``add_``, ``mul_``, ``lerp_``, ``copy_``, the ``_foreach_*_`` family, the running
+statistics of ``native_batch_norm``, ``out=`` variants) into a candidate tensor (a low-precision float parameter,
+buffer or optimizer state that has no FP32 master) is run a second time on FP32 upcasts, into an FP32 copy of
+that tensor: what FP32 storage would hold. Pointwise ops, copies and views that read a candidate or such an FP32
+value carry their FP32 result alongside, so ``t.copy_(m * t + (1 - m) * s)`` is measured as well as
+``t.lerp_(s, 1 - m)``. At the end of the step, per tensor: ``share_rounded`` (of the elements whose FP32 update is
+nonzero, those whose stored value did not move) and ``realized_ratio`` (norm of the stored delta / norm of the FP32
+delta). Cost: nothing on the other steps, nor on a model without low-precision state (the mode is not entered);
+on a measured step one Python call per aten op, an FP32 copy and a start copy of each tensor that changes, at most
+``[swamping] max_elements`` elements per step (beyond that, tensors are measured in turn over the sampled steps).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ampaudit.dtypes import name_of
+from ampaudit.policy import settings
+
+LOW_FLOATS = frozenset(d for d in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
+                                   getattr(torch, "float8_e5m2", None), getattr(torch, "float8_e4m3fnuz", None),
+                                   getattr(torch, "float8_e5m2fnuz", None)) if d is not None)
+_aten = torch.ops.aten
+_FP32_NOISE = 4 * torch.finfo(torch.float32).eps
+# Ops that carry an FP32 value along besides the pointwise ones: copies and views of the same elements.
+_CARRY = frozenset({_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten.view.default,
+                    _aten._unsafe_view.default, _aten.t.default, _aten._to_copy.default,
+                    _aten.lift_fresh.default})
+
+
+def low_precision(t: Any) -> bool:
+    """A real (not sharded, not fake) tensor stored in fp16/bf16/fp8."""
+    return isinstance(t, torch.Tensor) and t.dtype in LOW_FLOATS and type(t) in (torch.Tensor, nn.Parameter)
+
+
+@dataclass
+class Candidate:
+    """One tensor that may lose its updates: ``kind`` param | buffer | optimizer_state."""
+
+    name: str
+    module: str
+    kind: str
+    tensor: torch.Tensor
+    frozen: bool = False
+    owner: str = ""              # the module to keep in float32 (a frozen copy's outermost module)
+    measured_at: int = -1
+
+
+@dataclass
+class _Measure:
+    cand: Candidate
+    start: torch.Tensor          # the stored value at the first write of the step
+    intended: torch.Tensor       # FP32: what FP32 storage would hold now
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _frozen_owner(name: str, training: set[str]) -> str:
+    """The outermost module above parameter ``name`` that holds no trainable parameter (else its own module)."""
+    parts = name.split(".")[:-1]
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if prefix not in training:
+            return prefix
+    return _module_of(name)
+
+
+def candidates(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+               mastered: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None) -> list[Candidate]:
+    """Every low-precision float parameter and buffer of ``model`` (less ``mastered``: parameters whose FP32 master
+    holds the updates) and every low-precision state of ``optimizer`` (named ``<param>.<state key>`` through
+    ``names``: id(optimizer parameter) -> model parameter name)."""
+    skip = {id(t) for t in mastered}
+    # A frozen copy (an EMA teacher) is named by its outermost module that trains nothing: "teacher", not
+    # "teacher.0", is what to keep in float32.
+    training = {".".join(n.split(".")[:i]) for n, p in model.named_parameters() if p.requires_grad
+                for i in range(n.count(".") + 1)}
+    out = [Candidate(n, _module_of(n), "param", p, frozen=not p.requires_grad,
+                     owner=_frozen_owner(n, training) if not p.requires_grad else _module_of(n))
+           for n, p in model.named_parameters() if id(p) not in skip and low_precision(p)]
+    out += [Candidate(n, _module_of(n), "buffer", b) for n, b in model.named_buffers() if low_precision(b)]
+    if optimizer is not None:
+        known = names or {id(p): n for n, p in model.named_parameters()}
+        for i, (p, state) in enumerate(optimizer.state.items()):
+            pname = known.get(id(p), f"optimizer.param{i}")
+            for key, value in state.items() if isinstance(state, dict) else ():
+                if low_precision(value) and value.numel() > 1:
+                    out.append(Candidate(f"{pname}.{key}", _module_of(pname), "optimizer_state", value))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _write_slots(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of each argument ``func`` writes into."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    # native_batch_norm (and the cuDNN / MIOpen ones) update running_mean / running_var in training without saying
+    # so in their schema.
+    unmarked = "batch_norm" in schema.name
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                 if (a.alias_info is not None and a.alias_info.is_write)
+                 or (unmarked and a.name in ("running_mean", "running_var")))
+
+
+@functools.lru_cache(maxsize=None)
+def _carries(func: Any) -> bool:
+    """Whether ``func`` maps values elementwise (or copies / views them), so an FP32 twin of its output exists."""
+    return func in _CARRY or torch.Tag.pointwise in getattr(func, "tags", ())
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op ``func`` called with ``args`` / ``kwargs`` writes into (lists flattened)."""
+    out: list[torch.Tensor] = []
+    for i, name, kw_only in _write_slots(func):
+        value = kwargs.get(name) if kw_only or i >= len(args) else args[i]
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+class _Shadow(TorchDispatchMode):
+    """Runs each write into a measured tensor a second time in FP32 (see the module docstring)."""
+
+    def __init__(self, meter: "SwampMeter"):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        writes, carries = _write_slots(func), _carries(func)
+        # Most ops of a step (GEMMs, reductions, the backward) neither write state nor carry values: pass them on.
+        if not (writes or carries) or self.meter.skip():
+            return func(*args, **kwargs)
+        meter = self.meter
+        if writes:
+            hits = [m for t in written_tensors(func, args, kwargs) if (m := meter.measure_for(t)) is not None]
+            if hits:
+                meter.shadow_write(func, args, kwargs, hits)
+                return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if carries and meter.has_known:
+            meter.carry(func, args, kwargs, out)
+        return out
+
+
+class SwampMeter:
+    """Measures, on the steps it is begun for, how much of each low-precision tensor's FP32 update is stored.
+
+    ``optimizer``: its low-precision states are candidates too (from the step after they exist). ``mastered``:
+    parameters whose FP32 master takes the updates (O2's; FSDP's fp32 shards are never candidates). ``names``:
+    id(optimizer parameter) -> parameter name (O2: the masters'). ``skip``: while it returns True (the watch's
+    own replays, which restore what they touch) ops pass unmeasured.
+    """
+
+    def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+                 mastered: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None,
+                 skip: Callable[[], bool] = lambda: False):
+        self.model, self.optimizer, self.names, self.skip = model, optimizer, names, skip
+        self._mastered = list(mastered)
+        table = settings().get("swamping", {})
+        self.share_line = float(table.get("share_rounded", 0.5))
+        self.ratio_line = float(table.get("realized_ratio", 0.5))
+        self.max_elements = int(table.get("max_elements", 1 << 26))
+        self._known: dict[str, Candidate] = {}
+        self._eligible: dict[tuple[int, int], Candidate] = {}
+        self._measures: dict[tuple[int, int], _Measure] = {}
+        self._carried = WeakTensorKeyDictionary()
+        self._carried_ids: set[int] = set()
+        self._mode: _Shadow | None = None
+        self.step: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    @property
+    def has_known(self) -> bool:
+        """Whether any value could have an FP32 twin (an eligible tensor, or a value already carried)."""
+        return bool(self._eligible)
+
+    def begin(self, step: int) -> bool:
+        """Start measuring ``step``; False (and nothing entered) when the model holds no low-precision state."""
+        if self._mode is not None:
+            self.abort()
+        found = candidates(self.model, optimizer=self.optimizer, mastered=self._mastered, names=self.names)
+        if not found:
+            return False
+        for c in found:      # keep when each was last measured, across steps
+            c.measured_at = self._known[c.name].measured_at if c.name in self._known else -1
+        self._known = {c.name: c for c in found}
+        budget, self._eligible = self.max_elements, {}
+        for c in sorted(found, key=lambda c: c.measured_at):
+            if c.tensor.numel() <= budget or not self._eligible:
+                budget -= c.tensor.numel()
+                c.measured_at = step
+                self._eligible[(c.tensor.data_ptr(), c.tensor.numel())] = c
+        self.step, self._measures = step, {}
+        self._mode = _Shadow(self)
+        self._mode.__enter__()
+        return True
+
+    # -- inside the mode -----------------------------------------------------------------------------------------
+    def _lookup(self, t: torch.Tensor, table: dict) -> Any:
+        """``table``'s entry for the candidate whose elements ``t`` holds: the tensor itself (``.data`` too), or a
+        contiguous view of a contiguous one."""
+        if t.dtype not in LOW_FLOATS:
+            return None
+        entry = table.get((t.data_ptr(), t.numel()))
+        if entry is None:
+            return None
+        c = entry.cand.tensor if isinstance(entry, _Measure) else entry.tensor
+        same = c.dtype == t.dtype and ((c.shape == t.shape and c.stride() == t.stride())
+                                       or (c.is_contiguous() and t.is_contiguous()))
+        return entry if same else None
+
+    def measure_for(self, t: torch.Tensor) -> _Measure | None:
+        """The measure of the eligible tensor ``t`` writes into (started now if this is its first write)."""
+        m = self._lookup(t, self._measures)
+        if m is None:
+            cand = self._lookup(t, self._eligible)
+            if cand is None:
+                return None
+            m = self._measures[(t.data_ptr(), t.numel())] = _Measure(cand, cand.tensor.detach().clone(),
+                                                                       cand.tensor.detach().float())
+        return m
+
+    def _lift(self, x: Any) -> Any:
+        """``x`` as FP32 would hold it: a measured tensor's FP32 copy, a carried value, or the upcast."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        m = self._lookup(x, self._measures)
+        if m is not None:
+            return m.intended if m.intended.shape == x.shape else m.intended.view(x.shape)
+        carried = self._carried.get(x) if id(x) in self._carried_ids else None
+        if carried is not None:
+            return carried
+        return x.float() if x.dtype in LOW_FLOATS else x
+
+    def _known_value(self, x: Any) -> bool:
+        if not isinstance(x, torch.Tensor):
+            return False
+        # The id set is a fast first look (the weak dictionary's lookup builds a weak reference per call); a
+        # reused id only costs a needless FP32 twin.
+        if id(x) in self._carried_ids and x in self._carried:
+            return True
+        return self._lookup(x, self._eligible) is not None
+
+    def shadow_write(self, func: Any, args: tuple, kwargs: dict, hits: list[_Measure]) -> None:
+        """Run ``func`` on FP32 values, writing into the FP32 copies of the measured tensors it writes."""
+        try:
+            lifted_args, lifted_kwargs = tree_map(self._lift, (args, kwargs))
+            func(*lifted_args, **lifted_kwargs)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            # This op has no FP32 twin here (an fp8-only kernel, a dtype it insists on): not measurable this step.
+            for m in hits:
+                self._measures.pop((m.cand.tensor.data_ptr(), m.cand.tensor.numel()), None)
+                self._eligible.pop((m.cand.tensor.data_ptr(), m.cand.tensor.numel()), None)
+
+    def carry(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Give ``out`` its FP32 value when ``func`` read a measured or carried value no larger than ``out``."""
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        known = [x for x in (*args, *kwargs.values()) if self._known_value(x)]
+        # A broadcast into something larger (a bias added to activations) is not state being updated.
+        if not known or out.numel() > max(x.numel() for x in known):
+            return
+        try:
+            if func is _aten._to_copy.default:      # .to(bf16) is the rounding being measured: keep FP32
+                value = self._lift(args[0]).to(device=out.device)
+                value = value.float() if value.dtype in LOW_FLOATS else value
+            else:
+                lifted_args, lifted_kwargs = tree_map(self._lift, (args, kwargs))
+                value = func(*lifted_args, **lifted_kwargs)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            return
+        if isinstance(value, torch.Tensor) and value.shape == out.shape:
+            self._carried[out] = value
+            self._carried_ids.add(id(out))
+
+    # -- the step's result ---------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Leave the mode without a result (the step raised, or the run ends)."""
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        self._measures, self._carried, self._carried_ids = {}, WeakTensorKeyDictionary(), set()
+
+    def finish(self) -> list[dict]:
+        """Leave the mode; one ``swamping`` event (fields, without ``event``) per tensor over a line."""
+        measures, step = list(self._measures.values()), self.step
+        self.abort()
+        out = []
+        for m in measures:
+            row = measure_update(m.start, m.cand.tensor.detach(), m.intended)
+            if row is None:
+                continue
+            if row["share_rounded"] >= self.share_line or row["realized_ratio"] <= self.ratio_line:
+                out.append({"step": step, **describe(m.cand, row)})
+        return out
+
+
+def measure_update(start: torch.Tensor, final: torch.Tensor, intended: torch.Tensor) -> dict | None:
+    """The numbers of one tensor over one step: ``start`` and ``final`` stored values, ``intended`` the FP32
+    value; None when FP32 would not have moved it. ``update_rel`` is the RMS of the FP32 update over that of the
+    values it moves (a typical relative update)."""
+    s = start.float()
+    want, got = intended.float() - s, final.float() - s
+    # FP32 arithmetic has rounding of its own (m*t + (1-m)*t is not exactly t): a few fp32 ulps is no update.
+    # NaN compares False, so a non-finite update is not counted as one.
+    moving = want.abs() > _FP32_NOISE * s.abs()
+    keep = moving.to(want.dtype)
+    counts = torch.stack([moving.sum().float(), (moving & (got == 0)).sum().float(),
+                          torch.linalg.vector_norm(got * keep), torch.linalg.vector_norm(want * keep),
+                          torch.linalg.vector_norm(s * keep)])
+    n, rounded, got_norm, want_norm, value_norm = counts.tolist()     # one device sync per tensor
+    if n == 0 or want_norm == 0:
+        return None
+    return {"share_rounded": rounded / n, "realized_ratio": got_norm / want_norm, "elements": int(n),
+            "numel": start.numel(), "update_rel": want_norm / value_norm if value_norm > 0 else None,
+            "half_ulp_rel": float(torch.finfo(start.dtype).eps) / 2, "dtype": name_of(start.dtype)}
+
+
+def describe(c: Candidate, row: dict) -> dict:
+    """The event's fields: the numbers, ``tensor``, ``module``, ``kind``, and ``why`` / ``fix`` in words."""
+    dtype = row["dtype"]
+    rel, half = row["update_rel"], row["half_ulp_rel"]
+    rounded = f"{row['share_rounded']:.0%} of them below half a {dtype} ulp"
+    if rel is None:
+        size = f"updates, {rounded}"
+    elif rel < half:
+        size = f"updates of ~{rel:.1e} of the value (RMS), below half a {dtype} ulp ({half:.1e} of it)"
+    else:   # large on average, yet most elements' updates (or most of the movement) rounded away
+        size = f"updates of ~{rel:.1e} of the value (RMS), {rounded} ({half:.1e} of the value)"
+    if c.kind == "optimizer_state":
+        why = f"optimizer state kept in {dtype}: its running averages take {size}"
+        fix = ("keep optimizer states in float32 (build the optimizer over FP32 master weights), or use one with "
+               "Kahan summation or stochastic rounding of its states")
+    elif c.kind == "buffer":
+        why = f"buffer updated in place in {dtype} with no FP32 copy: {size}"
+        fix = (f"keep the buffer in float32 (e.g. {c.module or 'model'}.{c.name.rsplit('.', 1)[-1]} = "
+               "....float() after the O2 cast: ops read it in their own dtype), or accumulate in an FP32 copy")
+    elif c.frozen:
+        why = f"no FP32 master: a copy of the weights updated in place (EMA / momentum teacher) in {dtype}: {size}"
+        fix = (f"keep {c.owner or c.module or 'this module'} in float32 (.float() after the O2 cast; an EMA needs no "
+               "low-precision copy), or give it an FP32 master and round into it after each update; Kahan "
+               "summation or stochastic rounding also keep the small updates")
+    else:
+        why = f"no FP32 master: the parameter is stepped in {dtype}, and lr*grad makes {size}"
+        fix = ("train it with FP32 master weights (opt level O2 / FSDP's fp32 shards), or use an optimizer with "
+               "Kahan summation or stochastic rounding (torchao's bf16_stochastic_round)")
+    return {"tensor": c.name, "module": c.module, "kind": c.kind, **row, "why": why, "fix": fix}
+
+
+__all__ = ["LOW_FLOATS", "Candidate", "SwampMeter", "candidates", "describe", "low_precision", "measure_update",
+           "written_tensors"]
