@@ -185,6 +185,10 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         from ampaudit.report.trace_eval import render_eval
         render_eval(summary["eval"], c)
 
+    if (summary.get("decisions") or {}).get("sites"):
+        from ampaudit.report.trace_decisions import render_decisions
+        render_decisions(summary["decisions"], c)
+
     c.print("\n[bold]Recommendations[/]")
     if not summary["recommendations"]:
         c.print("  none: the run looks healthy" if summary["steps"]["count"] else "  none: the trace holds no steps")

@@ -85,6 +85,7 @@ class TraceData:
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
     fp8_budget: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
+    decisions: list[dict] = field(default_factory=list)     # rows of ampaudit.report.trace_decisions
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -116,6 +117,7 @@ def _as_step(value: Any) -> int | None:
 def collect(events: Iterable[dict]) -> TraceData:
     """Group events by kind. A step event without a step number gets the previous one plus one."""
     from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
+    from ampaudit.report.trace_decisions import decision_row
     from ampaudit.report.trace_eval import eval_row
     from ampaudit.report.grad_hist import hist_row
 
@@ -181,6 +183,8 @@ def collect(events: Iterable[dict]) -> TraceData:
             data.fp8_budget.append(budget_row(ev, step))
         elif kind == "eval":
             data.evals.append(eval_row(ev, step))
+        elif kind == "decision":
+            data.decisions.append(decision_row(ev, step))
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -337,6 +341,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.policy import divergence_thresholds
     from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
     from ampaudit.report.grad_hist import grad_hist_summary
+    from ampaudit.report.trace_decisions import decision_summary
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
 
@@ -371,6 +376,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "fp8": fp8_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
         "eval": eval_summary(data),
+        "decisions": decision_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,

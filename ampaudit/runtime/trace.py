@@ -21,7 +21,13 @@ when unknown; see :mod:`ampaudit.runtime.grad_hist`), ``eval`` (the trainer's ev
 the eval batches or null), ``preflight`` (the trainer's checks: ``checks: [{name, status, message, hint}]``) and,
 in the trainer's ``meta``, ``lr_policy`` (warmup_steps, scale, base_batch, micro_batch, effective_batch, factor),
 ``fsdp`` and ``compile``. A version-1 trace is a version-2 trace without them, so readers take both; a reader of
-version 1 skips the new kinds as unknown. New kinds are additive: a reader skips kinds it does not know.
+version 1 skips the new kinds as unknown. Version 3 adds ``decision``, written with the ``divergence`` events of a
+check (:mod:`ampaudit.runtime.decision_record`): one per decision site (an argmax/argmin/max(dim)/topk/sort, a
+comparison, a round/floor, a bucketize or multinomial on floating values) with module (whose own forward runs the
+op), op (aten name, e.g. "topk"), source ("file:line"), kind (index | topk | sort | compare | round | bucket |
+sample), decisions (how many were compared: rows for index and topk, elements otherwise), flipped (how many differ
+from the FP32 run's, FP32 ties left out), share_flipped, used (whether the forward reads the result) and calls.
+New kinds are additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from typing import IO, Any
 from ampaudit.errors import TraceError
 
 # Also the newest version ampaudit report reads (it reads 1 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 2
+TRACE_VERSION = 3
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
 BULK_EVENTS = frozenset({"stats", "grad_hist"})
 
