@@ -23,6 +23,12 @@ kind (the unit of ``total`` in brackets):
   (a value exactly on the threshold); for eq/ne equality is the decision itself, so every difference counts.
 - ``round``, ``bucket``, ``sample`` [one per element]: the results differ (NaN equals NaN).
 
+Near-ties are flips: a decision changes exactly when the low-precision error of its inputs exceeds the FP32
+margin between the alternatives, so a tolerance at the dtype's resolution would hide the fault itself (measured on
+tests/planted/moe_router_bf16.py: counting alternatives within one bf16 unit roundoff of each other as ties leaves
+1 of its 28 flipped tokens). What separates a fault from the few near-ties of any run is the share
+(:func:`flagged`, ``[decisions]`` in rules/policy/settings.toml) and whether the forward uses the decision.
+
 Shapes that differ between the runs (data-dependent output sizes) are not compared: :func:`flips` returns None.
 """
 from __future__ import annotations
