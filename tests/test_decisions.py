@@ -147,3 +147,39 @@ def test_rng_and_buffers_are_left_as_they_were_and_both_runs_share_dropout():
     assert torch.equal(m.bn.running_mean, before) and torch.equal(torch.get_rng_state(), state)
     # Same dropout masks in both runs: what dropout zeroed is exactly 0 in both, so only kept values can flip.
     assert row["used"] and row["flipped"] <= 0.1 * row["decisions"]
+
+
+def test_bind_maps_keyword_only_arguments_by_name():
+    b = bind(torch.ops.aten.sort.stable, (torch.zeros(3),), {"stable": True, "descending": True})
+    assert b["stable"] is True and b["descending"] is True and b["dim"] == -1
+
+
+class _InPlaceQuant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        q = (h * 100.0).round_()                      # in place, on a bf16 product under autocast
+        return q / 100.0
+
+
+def test_in_place_rounding_is_a_decision_too():
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    (row,) = measure_decisions(_InPlaceQuant(), (x,), device_type="cpu", dtype=torch.bfloat16)
+    assert row["op"] == "round_" and row["kind"] == "round" and row["used"] and row["share_flipped"] > 0.05
+
+
+def test_calibration_sums_decisions_over_batches():
+    from ampaudit.analysis.calibrate import merge_decisions
+
+    into: list[dict] = []
+    row = {"module": "r", "op": "topk", "source": "m.py:3", "kind": "topk", "what": "w", "decisions": 100,
+           "flipped": 1, "share_flipped": 0.01, "used": False, "calls": 1}
+    merge_decisions(into, [row])
+    merge_decisions(into, [{**row, "flipped": 5, "share_flipped": 0.05, "used": True}])
+    assert len(into) == 1 and into[0]["decisions"] == 200 and into[0]["flipped"] == 6
+    assert into[0]["share_flipped"] == 0.03 and into[0]["used"] and into[0]["calls"] == 2
+    assert row["decisions"] == 100                   # the first batch's row is not modified

@@ -80,6 +80,23 @@ def test_train_trace_and_report_name_the_culprit(path, tmp_path):
     assert "Decisions vs FP32" in out and m.EXPECT["culprit"] in out and "keep_fp32" in out
 
 
+def test_report_confirms_the_check_finding(tmp_path):
+    path = PLANTED / "moe_router_bf16.py"
+    events = _train(path, tmp_path / "run.jsonl")
+    checked = _cli("check", str(path), "--calibrate", "--device", "cpu", "--dtype", "bfloat16", "--format", "json")
+    findings = json.loads(checked.stdout)["findings"]
+    (rec,) = [r for r in summarize(events, findings=findings)["recommendations"] if r["kind"] == "confirmed_findings"]
+    assert [(f["rule"], f["module"]) for f in rec["findings"]] == [("AMP702", "moe.router")]
+    assert "topk decisions differ from FP32 at step 2" in rec["findings"][0]["evidence"]
+
+
+def test_fix_keeps_the_router_in_fp32_and_the_decisions_come_back(tmp_path):
+    path = PLANTED / "moe_router_bf16.py"
+    r = _cli("fix", str(path), "--calibrate", "--device", "cpu", "--dtype", "bfloat16", "--diff")
+    assert r.exit_code == 1, r.output             # --diff: a diff was shown, nothing written
+    assert "AMP702" in r.output and "enabled=False" in r.output and "re-check: clean for AMP702" in r.output
+
+
 def test_train_and_report_are_quiet_on_the_healthy_model(tmp_path):
     events = _train(HEALTHY, tmp_path / "run.jsonl")
     dec = [e for e in events if e["event"] == "decision"]

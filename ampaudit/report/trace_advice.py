@@ -216,17 +216,20 @@ def recommend(summary: dict, data: Any, *, all_divergence: list[dict], all_headr
               findings: list[dict] | None = None) -> list[dict]:
     """Recommendations for a summary (see module doc), most severe first."""
     from ampaudit.report.grad_hist import grad_hist_advice  # it reads the summary module, which imports this one
+    from ampaudit.report.trace_decisions import decision_advice, decision_evidence  # they read trace_summary
 
     evidence = _evidence(summary, data, all_divergence, all_headroom)
+    # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
+    confirming = {**evidence}
+    for module, seen in decision_evidence(summary).items():
+        confirming[module] = [*confirming.get(module, []), *seen]
     recs = [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
-            _confirmed(findings or [], evidence),
+            _confirmed(findings or [], confirming),
             _init_scale(summary, data), _bf16(summary, data, evidence), _clipping(summary)]
     recs.append(grad_hist_advice(summary))
     from ampaudit.report.trace_eval import eval_advice  # it reads trace_summary, which imports this module
 
     recs.append(eval_advice(summary))
-    from ampaudit.report.trace_decisions import decision_advice  # it reads trace_summary, which imports this module
-
     recs.append(decision_advice(summary))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])

@@ -78,6 +78,15 @@ def decision_advice(summary: dict) -> dict | None:
             "code": f"ampaudit.keep_fp32(model, {json.dumps(modules)})"}
 
 
+def decision_evidence(summary: dict) -> dict[str, list[str]]:
+    """Module -> what the run saw of its flipped decisions, for confirming ``check`` findings (AMP702)."""
+    ev: dict[str, list[str]] = {}
+    for r in (summary.get("decisions") or {}).get("flagged") or []:
+        ev.setdefault(r["module"], []).append(f"{r['share_flipped']:.1%} of its {r['op']} decisions differ from "
+                                              f"FP32 at step {r['step']}")
+    return ev
+
+
 def render_decisions(dec: dict, console: Any) -> None:
     """The decisions section of ``ampaudit report`` in the terminal: flagged sites, then how many are quiet."""
     from rich.markup import escape
@@ -94,4 +103,4 @@ def render_decisions(dec: dict, console: Any) -> None:
         console.print(f"  {len(quiet)} site(s) within ties and noise{note}")
 
 
-__all__ = ["decision_advice", "decision_row", "decision_summary", "render_decisions"]
+__all__ = ["decision_advice", "decision_evidence", "decision_row", "decision_summary", "render_decisions"]

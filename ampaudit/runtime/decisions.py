@@ -78,9 +78,11 @@ def what(kind: str) -> str:
 def bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The arguments of aten op ``func`` by schema name, defaults filled in."""
     bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[arg.name] = args[i]
+    positional = iter(args)
+    for arg in func._schema.arguments:
+        value = next(positional, bound) if not arg.kwarg_only else bound     # ``bound``: no value given
+        if value is not bound:
+            bound[arg.name] = value
         elif arg.name in kwargs:
             bound[arg.name] = kwargs[arg.name]
         elif arg.has_default_value():
