@@ -115,3 +115,12 @@ def test_watch_skips_later_checks_of_a_model_without_decisions():
     w.close()
     assert w._decisions.checks == 1 and w._decisions.idle
     assert not [e for e in w.events if e["event"] == "decision"]
+
+
+def test_html_page_lists_the_flipped_site(tmp_path):
+    pytest.importorskip("plotly")
+    from ampaudit.report.html import build_html
+
+    events = _train(PLANTED / "fake_quant_round_bf16.py", tmp_path / "run.jsonl")
+    page = build_html(events, trace="run.jsonl")
+    assert "<td>decisions</td>" in page and "<b>quant</b> round_" not in page and "<b>quant</b> round" in page

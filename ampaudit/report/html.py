@@ -73,6 +73,12 @@ def _facts(s: dict) -> str:
                                          f"({_e(first.get('op') or '?')}){where}"))
     if (s.get("eval") or {}).get("count"):
         rows.append(("eval", _eval_fact(s["eval"])))
+    if (s.get("decisions") or {}).get("sites"):
+        dec = s["decisions"]
+        flipped = "; ".join(f"<b>{_e(r['module'] or '<top>')}</b> {_e(r['op'])} {fmt(r['share_flipped'], '.1%')} "
+                            f"flipped (step {_e(r['step'])})" for r in dec["flagged"][:4])
+        rows.append(("decisions", f"{dec['sites']} site(s) against FP32" + (f": {flipped}" if flipped else
+                                                                              ", none flipped beyond noise")))
     if s["halt"]:
         rows.append(("halted", f"step {_e(s['halt']['step'])}: {_e(s['halt']['reason'])}"))
     # Values above are numbers or escaped already; labels are fixed strings.
