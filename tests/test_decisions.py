@@ -183,3 +183,21 @@ def test_calibration_sums_decisions_over_batches():
     assert len(into) == 1 and into[0]["decisions"] == 200 and into[0]["flipped"] == 6
     assert into[0]["share_flipped"] == 0.03 and into[0]["used"] and into[0]["calls"] == 2
     assert row["decisions"] == 100                   # the first batch's row is not modified
+
+
+def test_report_reads_malformed_and_older_decision_events_without_raising():
+    from ampaudit.report.trace_summary import summarize
+
+    meta = {"event": "meta", "step": None, "version": 2, "dtype": "bfloat16"}
+    good = {"event": "decision", "step": 4, "module": "moe.router", "op": "topk", "source": "m.py:9", "kind": "topk",
+            "decisions": 512, "flipped": 18, "share_flipped": 0.035, "used": True, "calls": 1}
+    bad = [{"event": "decision", "step": 5, "module": 3, "decisions": "inf", "flipped": None, "share_flipped": "x"},
+           {"event": "decision"}]
+    s = summarize([meta, {"event": "step", "step": 1, "loss": 1.0}, good, *bad])
+    assert [r["module"] for r in s["decisions"]["flagged"]] == ["moe.router"]
+    assert s["decisions"]["sites"] == 2 and not s["unknown_events"]
+    (rec,) = [r for r in s["recommendations"] if r["kind"] == "decisions"]
+    assert "3.5% of the 512 decisions of moe.router (topk at m.py:9)" in rec["message"]
+    assert rec["code"] == 'ampaudit.keep_fp32(model, ["moe.router"])'
+    quiet = summarize([meta, {**good, "used": False}, {**good, "module": "b", "flipped": 3, "share_flipped": 0.5}])
+    assert not quiet["decisions"]["flagged"] and not [r for r in quiet["recommendations"] if r["kind"] == "decisions"]

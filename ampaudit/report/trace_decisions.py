@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ampaudit.report.trace_summary import num
+from ampaudit.report.trace_summary import finite
 
 SHOW = 5
 
@@ -27,10 +27,10 @@ def decision_row(ev: dict, step: int | None) -> dict:
     """One ``decision`` event as a row (module, op, source, kind, decisions, flipped, share_flipped, used, step)."""
     def text(key: str) -> str | None:
         return ev.get(key) if isinstance(ev.get(key), str) else None
-    share = num(ev.get("share_flipped"))
+    share = finite(ev.get("share_flipped"))
     return {"step": step, "module": text("module") or "", "op": text("op") or "?", "source": text("source"),
-            "kind": text("kind"), "decisions": int(num(ev.get("decisions")) or 0),
-            "flipped": int(num(ev.get("flipped")) or 0), "share_flipped": share if share is not None else 0.0,
+            "kind": text("kind"), "decisions": int(finite(ev.get("decisions")) or 0),
+            "flipped": int(finite(ev.get("flipped")) or 0), "share_flipped": share if share is not None else 0.0,
             "used": ev.get("used") is True}
 
 
