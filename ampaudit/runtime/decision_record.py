@@ -92,13 +92,13 @@ class DecisionRecorder(TorchDispatchMode):
         if kind is None:
             return out
         bound = bind(func, args, kwargs)
-        if decision_of(kind, name, bound, out) is None:
+        choice = decision_of(kind, name, bound, out)
+        if choice is None:
             return out
         key = (self.tracker.current, name, user_source(sys._getframe(1)))
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         if self.phase == "low":
-            choice = decision_of(kind, name, bound, out)
             self._low.setdefault(key, []).append(choice.detach().clone())
             self._kind[key] = kind
             self._track(choice, key)
