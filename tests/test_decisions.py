@@ -7,12 +7,12 @@ import torch
 import torch.nn as nn
 
 from ampaudit.runtime.decision_record import measure_decisions
-from ampaudit.runtime.decisions import bind, decision_kinds, decision_of, flagged, flips
+from ampaudit.runtime.decisions import SAMPLE, bind, decision_kinds, decision_of, flagged, flips, kept
 
 
 def _flips(op, out, low, **bound):
     kind = decision_kinds()[op]
-    flipped, total = flips(kind, op, bound, out, low)
+    flipped, total = flips(kind, op, bound, out, kept(kind, low))
     return int(flipped), total
 
 
@@ -63,6 +63,18 @@ def test_round_and_bucket_compare_results_with_nan_equal_to_nan():
     x = torch.tensor([0.1, 0.9])
     edges = torch.tensor([0.5])
     assert _flips("bucketize", torch.bucketize(x, edges), torch.tensor([0, 0]), self=x, boundaries=edges) == (1, 2)
+
+
+def test_large_elementwise_decisions_are_compared_on_an_even_sample():
+    x = torch.linspace(-1, 1, 1 << 20).reshape(1024, 1024)
+    ref = x > 0
+    low = ref.clone()
+    low[:, ::10] = ~low[:, ::10]                               # every 10th column flipped: 10% of the elements
+    assert kept("compare", low).numel() <= SAMPLE
+    flipped, total = _flips("gt", ref, low, self=x, other=0.0)
+    assert total <= SAMPLE and abs(flipped / total - 0.1) < 0.01
+    small = torch.tensor([[0.2, -0.3]])
+    assert _flips("gt", small > 0, torch.tensor([[True, True]]), self=small, other=0.0) == (1, 2)
 
 
 def test_only_floating_inputs_make_decisions():

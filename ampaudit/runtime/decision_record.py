@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ampaudit.runtime.decisions import bind, decision_kinds, decision_of, flips, what
+from ampaudit.runtime.decisions import bind, decision_kinds, decision_of, flips, kept, what
 from ampaudit.notes import note
 from ampaudit.runtime.fp32 import ieee_fp32, upcast
 from ampaudit.runtime.locate import ModuleStack, capture_rng, float_tensors, preserved, user_source
@@ -99,7 +99,7 @@ class DecisionRecorder(TorchDispatchMode):
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         if self.phase == "low":
-            self._low.setdefault(key, []).append(choice.detach().clone())
+            self._low.setdefault(key, []).append(kept(kind, choice))
             self._kind[key] = kind
             self._track(choice, key)
         else:

@@ -23,6 +23,10 @@ kind (the unit of ``total`` in brackets):
   (a value exactly on the threshold); for eq/ne equality is the decision itself, so every difference counts.
 - ``round``, ``bucket``, ``sample`` [one per element]: the results differ (NaN equals NaN).
 
+The elementwise kinds (compare, round, bucket, sample) are compared on an evenly spaced sample of at most
+:data:`SAMPLE` elements per call (:func:`sampled`): ``total`` counts the sample, and the share estimates the
+tensor's.
+
 Near-ties are flips: a decision changes exactly when the low-precision error of its inputs exceeds the FP32
 margin between the alternatives, so a tolerance at the dtype's resolution would hide the fault itself (measured on
 tests/planted/moe_router_bf16.py: counting alternatives within one bf16 unit roundoff of each other as ties leaves
@@ -33,12 +37,17 @@ Shapes that differ between the runs (data-dependent output sizes) are not compar
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any
 
 import torch
 
 ORDERING = frozenset({"gt", "lt", "ge", "le"})
+# Kinds with one decision per element: at most SAMPLE of them, evenly spaced, are kept and compared (a mask over a
+# large activation would otherwise be copied whole on every check).
+ELEMENTWISE = frozenset({"compare", "round", "bucket", "sample"})
+SAMPLE = 1 << 16
 
 
 @lru_cache(maxsize=None)
@@ -119,6 +128,26 @@ def decision_of(kind: str, name: str, bound: dict, out: Any) -> torch.Tensor | N
     return choice
 
 
+def sampled(t: torch.Tensor, limit: int = SAMPLE) -> torch.Tensor:
+    """``t`` flattened, or every n-th element of it when it has more than ``limit`` (the same ones for any tensor
+    of that shape). n is coprime to the last dimension, so the sample visits every column (channel) in turn
+    instead of the same few in each row."""
+    flat = t.reshape(-1)
+    step = -(-flat.numel() // limit)
+    if step <= 1:
+        return flat
+    last = t.shape[-1] if t.dim() else 1
+    while math.gcd(step, last) != 1:
+        step += 1
+    return flat[::step]
+
+
+def kept(kind: str, choice: torch.Tensor) -> torch.Tensor:
+    """What the autocast run keeps of a decision until the FP32 run: a copy, of at most :data:`SAMPLE` elements
+    for the elementwise kinds."""
+    return (sampled(choice) if kind in ELEMENTWISE else choice).detach().clone()
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # Elementwise equality with NaN equal to NaN: a NaN in both runs is the same outcome.
     eq = a == b
@@ -171,19 +200,20 @@ def _sort_flips(bound: dict, ref_idx: torch.Tensor, low: torch.Tensor) -> torch.
 
 
 def _compare_flips(name: str, bound: dict, ref: torch.Tensor, low: torch.Tensor) -> torch.Tensor | None:
-    if low.shape != ref.shape:
+    picked = sampled(ref)
+    if low.shape != picked.shape:
         return None
-    flipped = low.to(ref.device) != ref
+    flipped = low.to(ref.device) != picked
     if name in ORDERING:
         a, b = bound["self"], bound["other"]
         on_threshold = torch.eq(a, b) if isinstance(a, torch.Tensor) else torch.eq(b, a)
-        flipped &= ~on_threshold.expand(ref.shape)
+        flipped &= ~sampled(on_threshold.expand(ref.shape))
     return flipped
 
 
 def flips(kind: str, name: str, bound: dict, out: Any, low: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """``(flipped, total)`` of one call: the FP32 run's arguments ``bound`` and output ``out`` against the
-    autocast run's decision ``low`` (from :func:`decision_of`). ``flipped`` is a 0-d int64 tensor (not read
+    autocast run's decision ``low`` (:func:`kept` of :func:`decision_of`'s). ``flipped`` is a 0-d int64 tensor (not read
     here: the caller reads all counts at once); None when the two runs' shapes differ."""
     ref = decision_of(kind, name, bound, out)
     if ref is None:
@@ -197,6 +227,7 @@ def flips(kind: str, name: str, bound: dict, out: Any, low: torch.Tensor) -> tup
     elif kind == "compare":
         mask = _compare_flips(name, bound, ref, low)
     else:
+        ref = sampled(ref)
         mask = ~_same(low.to(device=ref.device, dtype=ref.dtype), ref) if low.shape == ref.shape else None
     if mask is None:
         return None
