@@ -26,8 +26,9 @@ check (:mod:`ampaudit.runtime.decision_record`): one per decision site (an argma
 comparison, a round/floor, a bucketize or multinomial on floating values) with module (whose own forward runs the
 op), op (aten name, e.g. "topk"), source ("file:line"), kind (index | topk | sort | compare | round | bucket |
 sample), decisions (how many were compared: rows for index and topk, elements otherwise, at most 65536 per call of
-the elementwise kinds), flipped (how many differ from the FP32 run's, FP32 ties left out), share_flipped, used (whether the forward reads the result) and calls.
-New kinds are additive: a reader skips kinds it does not know.
+the elementwise kinds), flipped (how many differ from the FP32 run's, FP32 ties left out), share_flipped, used
+(whether the forward reads the result) and calls. A version-2 trace is a version-3 trace without them. New kinds are
+additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 
