@@ -117,3 +117,19 @@ def test_html_page_lists_the_flipped_site(tmp_path):
     events = _train(PLANTED / "fake_quant_round_bf16.py", tmp_path / "run.jsonl")
     page = build_html(events, trace="run.jsonl")
     assert "<td>decisions</td>" in page and "<b>quant</b> round_" not in page and "<b>quant</b> round" in page
+
+
+def test_a_decision_check_that_raises_warns_and_training_goes_on(monkeypatch):
+    from ampaudit.runtime import decision_record
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(decision_record, "measure_decisions", broken)
+    model = torch.nn.Linear(8, 2)
+    w = ampaudit.watch(model, dtype=torch.bfloat16, divergence_every=1)
+    with pytest.warns(decision_record.DecisionCheckWarning, match="decision check at step 0 failed"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(4, 8)).float().sum().backward()
+    w.close()
+    assert [e for e in w.events if e["event"] == "divergence"] and not [e for e in w.events if e["event"] == "decision"]
