@@ -133,3 +133,17 @@ def test_a_decision_check_that_raises_warns_and_training_goes_on(monkeypatch):
             model(torch.randn(4, 8)).float().sum().backward()
     w.close()
     assert [e for e in w.events if e["event"] == "divergence"] and not [e for e in w.events if e["event"] == "decision"]
+
+
+@pytest.mark.parametrize("dtype, measured", [(torch.float32, 1), (torch.bfloat16, 0)])
+def test_a_half_model_gets_no_decision_check(dtype, measured, monkeypatch):
+    from ampaudit.runtime import decision_record
+
+    calls = []
+    monkeypatch.setattr(decision_record, "measure_decisions", lambda *a, **k: calls.append(1) or [])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(dtype)
+    w = ampaudit.watch(model, dtype=torch.bfloat16, divergence_every=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 8, dtype=dtype))
+    w.close()
+    assert len(calls) == measured
