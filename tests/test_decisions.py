@@ -213,3 +213,23 @@ def test_report_reads_malformed_and_older_decision_events_without_raising():
     assert rec["code"] == 'ampaudit.keep_fp32(model, ["moe.router"])'
     quiet = summarize([meta, {**good, "used": False}, {**good, "module": "b", "flipped": 3, "share_flipped": 0.5}])
     assert not quiet["decisions"]["flagged"] and not [r for r in quiet["recommendations"] if r["kind"] == "decisions"]
+
+
+def test_console_section_says_which_sites_are_used():
+    import io
+
+    from rich.console import Console
+
+    from ampaudit.report.trace_decisions import render_decisions
+
+    base = {"step": 2, "source": "m.py:3", "kind": "index", "what": "rows pick another index", "decisions": 100,
+            "checks": 1}
+    dec = {"sites": 3,
+           "flagged": [{**base, "module": "router", "op": "topk", "flipped": 9, "share_flipped": 0.09, "used": True}],
+           "quiet": [{**base, "module": "mask", "op": "gt", "flipped": 0, "share_flipped": 0.0, "used": True},
+                     {**base, "module": "", "op": "argmax", "flipped": 3, "share_flipped": 0.03, "used": False}]}
+    out = io.StringIO()
+    render_decisions(dec, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "9.0% of 100: router (topk at m.py:3)" in text and "1 used site(s) below the line (at most 0.0%" in text
+    assert "1 site(s) only returned, not used by the forward (at most 3.0% flipped): <top> (argmax" in text

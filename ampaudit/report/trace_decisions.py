@@ -96,11 +96,13 @@ def render_decisions(dec: dict, console: Any) -> None:
     for r in dec["flagged"][:SHOW]:
         console.print(f"  [yellow]![/] {r['share_flipped']:.1%} of {r['decisions']}: {escape(_where(r))}, "
                       f"{escape(r['what'])} (step {r['step']})")
-    quiet = dec["quiet"]
-    if quiet:
-        unused = sum(1 for r in quiet if not r["used"])
-        note = f", {unused} only returned, not used by the forward" if unused else ""
-        console.print(f"  {len(quiet)} site(s) within ties and noise{note}")
+    used = [r for r in dec["quiet"] if r["used"]]
+    returned = [r for r in dec["quiet"] if not r["used"]]
+    if used:
+        console.print(f"  {len(used)} used site(s) below the line (at most {used[0]['share_flipped']:.1%} flipped)")
+    if returned:
+        console.print(f"  {len(returned)} site(s) only returned, not used by the forward (at most "
+                      f"{returned[0]['share_flipped']:.1%} flipped): {escape(_where(returned[0]))}")
 
 
 __all__ = ["decision_advice", "decision_evidence", "decision_row", "decision_summary", "render_decisions"]
