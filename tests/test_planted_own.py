@@ -4,7 +4,9 @@ static rule can prove.
 Each model runs in FP32 and under CPU autocast of its target dtype (a CUDA target runs with the CPU dtype): FP32 must
 be finite, forward and backward; the low-precision run must show the fault: a non-finite output or a relative error
 above 10% (forward faults), or a finite output with a non-finite gradient (backward faults). Training faults (phase
-"training": state updated in place that loses its updates) are trained in tests/test_train_swamping.py.
+"training": state updated in place that loses its updates) are trained in tests/test_train_swamping.py. A decision
+fault (``EXPECT["decisions"]``: op and min_share) shows in the choices, not in the values: that share of the
+culprit's decisions differs from FP32 (ampaudit.runtime.decision_record), whatever the output's error.
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ def test_fault_is_real_and_fp32_is_fine(path):
         _, low_grads = _run(m, dtype, batch, target)
         assert _finite(low), "a backward-only fault must leave the forward finite"
         assert not _finite(*low_grads), "the low-precision gradients are finite: the fault is not there"
+    elif "decisions" in m.EXPECT:
+        from ampaudit.runtime.decision_record import measure_decisions
+
+        want = m.EXPECT["decisions"]
+        rows = measure_decisions(m.build_model(), inputs, device_type="cpu", dtype=dtype)
+        site = [r for r in rows if r["module"] == m.EXPECT["culprit"] and r["op"] == want["op"]]
+        assert _finite(low) and site and site[0]["used"], rows
+        assert site[0]["share_flipped"] >= want["min_share"], f"decisions flipped: {site[0]}"
     else:
         error = float((low - ref).norm() / ref.norm()) if _finite(low) else float("inf")
         assert error > 0.10, f"relative error {error:.3f} under {dtype}: the fault is not there"

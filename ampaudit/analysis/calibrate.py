@@ -5,6 +5,7 @@
     cal.modules       # per module: divergence from FP32 (global and local), absmax, headroom, underflow
     cal.out_dtypes    # per module: the dtype its output really has under the target's autocast
     cal.buffers       # running statistics beyond the dtype's range
+    cal.decisions     # per decision op (argmax, topk, x > t, round, ...): the share that differs from FP32
 
 There is no GPU here, so every run is on CPU. A CPU target runs under CPU autocast as it is. A CUDA target is
 simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
@@ -41,6 +42,7 @@ class Calibration:
     buffers: list[dict] = field(default_factory=list)
     order: list[str] = field(default_factory=list)   # modules in execution order
     out_dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # narrowest floating output, under autocast
+    decisions: list[dict] = field(default_factory=list)   # ampaudit.runtime.decision_record rows, summed over batches
 
 
 def _merge(into: dict, row: dict) -> None:
@@ -63,6 +65,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     (see the module docstring). The backward runs too: of ``loss_fn(output, target)`` for batches with a
     target, else of the sum of the floating outputs (computed in fp32)."""
     from ampaudit.runtime.compare import compare_to_fp32
+    from ampaudit.runtime.decision_record import measure_or_note
     from ampaudit.runtime.locate import judge_against_fp32, locate_nonfinite
 
     cal = Calibration(policy=policy, batches=0)
@@ -94,6 +97,9 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
                     cal.order.append(name)
                     cal.modules[name] = {}
                 _merge(cal.modules[name], row)
+            with simulation(policy):
+                merge_decisions(cal.decisions, measure_or_note(model, args, kwargs, device_type="cpu",
+                                                               dtype=policy.low))
     finally:
         model.train(model_was_training)
     for name, row in cal.modules.items():
@@ -109,6 +115,21 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             if value > limit:
                 cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
+
+
+def merge_decisions(into: list[dict], rows: list[dict]) -> None:
+    """Add one batch's decision rows to ``into``: counts summed per (module, op, source), used if used once."""
+    index = {(r["module"], r["op"], r["source"]): r for r in into}
+    for row in rows:
+        seen = index.get((row["module"], row["op"], row["source"]))
+        if seen is None:
+            seen = index[(row["module"], row["op"], row["source"])] = dict(row)
+            into.append(seen)
+            continue
+        for key in ("decisions", "flipped", "calls"):
+            seen[key] += row[key]
+        seen["used"] = seen["used"] or row["used"]
+        seen["share_flipped"] = seen["flipped"] / seen["decisions"] if seen["decisions"] else 0.0
 
 
 _HOLDS_FP32 = (torch.float32, torch.float64)

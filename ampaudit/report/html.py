@@ -79,6 +79,12 @@ def _facts(s: dict) -> str:
             f"<b>{_e(r['tensor'])}</b> ({_e(r['dtype'] or '?')}): {fmt(r['share_rounded'], '.0%')} of updates "
             f"rounded away, {fmt(r['realized_ratio'], '.0%')} of the FP32 movement kept" for r in tensors[:5])
             + (f"; {len(tensors) - 5} more" if len(tensors) > 5 else "")))
+    if (s.get("decisions") or {}).get("sites"):
+        dec = s["decisions"]
+        flipped = "; ".join(f"<b>{_e(r['module'] or '<top>')}</b> {_e(r['op'])} {fmt(r['share_flipped'], '.1%')} "
+                            f"flipped (step {_e(r['step'])})" for r in dec["flagged"][:4])
+        rows.append(("decisions", f"{dec['sites']} site(s) against FP32" + (f": {flipped}" if flipped else
+                                                                              ", none flipped beyond noise")))
     if s["halt"]:
         rows.append(("halted", f"step {_e(s['halt']['step'])}: {_e(s['halt']['reason'])}"))
     # Values above are numbers or escaped already; labels are fixed strings.

@@ -7,9 +7,10 @@ and which ``ampaudit check`` findings the run confirmed.
         print(rec["severity"], rec["message"], rec.get("code"))
 
 Each recommendation is a dict: ``kind`` (broken | keep_fp32 | nonfinite_unlocated | confirmed_findings |
-init_scale | bf16 | clipping | grad_scale | eval_gap | swamping | preflight), ``severity`` (error | warning | info), ``message``, and,
-where there is one, ``code`` (a line to paste) and ``modules`` / ``findings``. Thresholds are the table
-:data:`THRESHOLDS` (``grad_scale``, from the gradient histograms: :mod:`ampaudit.report.grad_hist`).
+init_scale | bf16 | clipping | grad_scale | eval_gap | swamping | preflight | decisions), ``severity`` (error |
+warning | info), ``message``, and, where there is one, ``code`` (a line to paste) and ``modules`` / ``findings``.
+Thresholds are the table :data:`THRESHOLDS` (``grad_scale``, from the gradient histograms:
+:mod:`ampaudit.report.grad_hist`; ``decisions``: :mod:`ampaudit.report.trace_decisions`).
 """
 from __future__ import annotations
 
@@ -215,10 +216,15 @@ def recommend(summary: dict, data: Any, *, all_divergence: list[dict], all_headr
               findings: list[dict] | None = None) -> list[dict]:
     """Recommendations for a summary (see module doc), most severe first."""
     from ampaudit.report.grad_hist import grad_hist_advice  # it reads the summary module, which imports this one
+    from ampaudit.report.trace_decisions import decision_advice, decision_evidence  # they read trace_summary
 
     evidence = _evidence(summary, data, all_divergence, all_headroom)
+    # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
+    confirming = {**evidence}
+    for module, seen in decision_evidence(summary).items():
+        confirming[module] = [*confirming.get(module, []), *seen]
     recs = [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
-            _confirmed(findings or [], evidence),
+            _confirmed(findings or [], confirming),
             _init_scale(summary, data), _bf16(summary, data, evidence), _clipping(summary)]
     recs.append(grad_hist_advice(summary))
     from ampaudit.report.trace_eval import eval_advice  # it reads trace_summary, which imports this module
@@ -227,5 +233,6 @@ def recommend(summary: dict, data: Any, *, all_divergence: list[dict], all_headr
     from ampaudit.report.trace_swamping import swamping_advice  # it reads trace_summary too
 
     recs.append(swamping_advice(summary))
+    recs.append(decision_advice(summary))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])

@@ -188,6 +188,9 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     if (summary.get("swamping") or {}).get("tensors"):
         from ampaudit.report.trace_swamping import render_swamping
         render_swamping(summary["swamping"], c)
+    if (summary.get("decisions") or {}).get("sites"):
+        from ampaudit.report.trace_decisions import render_decisions
+        render_decisions(summary["decisions"], c)
 
     c.print("\n[bold]Recommendations[/]")
     if not summary["recommendations"]:

@@ -87,6 +87,7 @@ class TraceData:
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
     swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
     preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)
+    decisions: list[dict] = field(default_factory=list)     # rows of ampaudit.report.trace_decisions
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -118,6 +119,7 @@ def _as_step(value: Any) -> int | None:
 def collect(events: Iterable[dict]) -> TraceData:
     """Group events by kind. A step event without a step number gets the previous one plus one."""
     from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
+    from ampaudit.report.trace_decisions import decision_row
     from ampaudit.report.trace_eval import eval_row
     from ampaudit.report.grad_hist import hist_row
     from ampaudit.report.trace_swamping import preflight_rows, swamping_row
@@ -190,6 +192,8 @@ def collect(events: Iterable[dict]) -> TraceData:
                 data.swamping.append(row)
         elif kind == "preflight":
             data.preflight += preflight_rows(ev)
+        elif kind == "decision":
+            data.decisions.append(decision_row(ev, step))
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -346,6 +350,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.policy import divergence_thresholds
     from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
     from ampaudit.report.grad_hist import grad_hist_summary
+    from ampaudit.report.trace_decisions import decision_summary
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
     from ampaudit.report.trace_swamping import swamping_summary
@@ -382,6 +387,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "grad_hist": grad_hist_summary(data, top=top),
         "eval": eval_summary(data),
         "swamping": swamping_summary(data),
+        "decisions": decision_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,

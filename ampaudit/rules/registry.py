@@ -91,5 +91,6 @@ def load_builtin_matchers() -> dict[str, Matcher]:
     from ampaudit.rules.matchers import (  # noqa: F401
         alignment, calibrated, constants, integers, normalization, running_sums, sensitive,
     )
+    from ampaudit.rules.matchers import decisions  # noqa: F401  (AMP702: decisions flipped by precision)
 
     return MATCHERS

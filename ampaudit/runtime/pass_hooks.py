@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import AmpAuditError
+from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.locate import capture_rng, float_tensors, judge_against_fp32, replay
@@ -85,6 +86,7 @@ class PassHooks:
     _fslot: dict
     _bslot: dict
     _schedule: DivergenceSchedule
+    _decisions: DecisionCheck | None     # decision flips against FP32, on the divergence checks
     _pass: PassState
     # across passes
     step: int
@@ -293,9 +295,12 @@ class PassHooks:
 
     def _finish_divergence(self, p: PassState) -> None:
         probe, p.probe = p.probe, None
-        args, kwargs, rng, _, _ = p.replay
+        args, kwargs, rng, (_, amp_dtype), _ = p.replay
         for ev in self._schedule.finish(probe, args, kwargs, rng, p.upstream):
             self._emit("divergence", **ev)
+        if self._decisions is not None:
+            for ev in self._decisions.check(args, kwargs, rng, amp_dtype, step=self.step):
+                self._emit("decision", **ev)
 
     def _should_replay(self, bad: bool) -> bool:
         if self._pass.replay is None or self._replays >= self.max_replays:

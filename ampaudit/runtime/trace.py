@@ -31,7 +31,15 @@ buffer, or ``<param>.<state key>``), ``module``, ``kind`` (param | buffer | opti
 ``realized_ratio`` (norm of the stored delta / norm of the FP32 delta over the step), ``elements`` (elements FP32
 would have moved), ``numel``, ``update_rel`` (median |FP32 update| / |value|, null when unknown), ``half_ulp_rel``
 (half an ulp of the dtype, relative), ``why`` and ``fix`` (words). Written only past the ``[swamping]`` lines of
-rules/policy/settings.toml. A version-2 trace is a version-3 trace without them.
+rules/policy/settings.toml.
+
+Version 3 also adds ``decision``, written with the ``divergence`` events of a
+check (:mod:`ampaudit.runtime.decision_record`): one per decision site (an argmax/argmin/max(dim)/topk/sort, a
+comparison, a round/floor, a bucketize or multinomial on floating values) with module (whose own forward runs the
+op), op (aten name, e.g. "topk"), source ("file:line"), kind (index | topk | sort | compare | round | bucket |
+sample), decisions (how many were compared: rows for index and topk, elements otherwise, at most 65536 per call of
+the elementwise kinds), flipped (how many differ from the FP32 run's, FP32 ties left out), share_flipped, used
+(whether the forward reads the result) and calls. A version-2 trace is a version-3 trace without them.
 """
 from __future__ import annotations
 

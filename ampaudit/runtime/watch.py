@@ -12,7 +12,7 @@
 models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.runtime.trace``) and to
 ``w.events``: ``stats`` per module and phase every ``every`` steps, ``grad_hist`` (log2|gradient| per module,
 :mod:`ampaudit.runtime.grad_hist`) with them, ``nonfinite`` where inf/NaN first appears, ``divergence`` every
-``divergence_every`` steps, ``skip`` from :meth:`Watch.on_skipped_step`. Pass ``scaler=scaler`` (or call
+``divergence_every`` steps with ``decision`` (decision ops against FP32: :mod:`ampaudit.runtime.decision_record`), ``skip`` from :meth:`Watch.on_skipped_step`. Pass ``scaler=scaler`` (or call
 :meth:`Watch.set_loss_scale`) so the histograms know the loss scale in the gradients.
 
 A :class:`Watch` is made of its parts: the hook methods run in each pass (:class:`~ampaudit.runtime.pass_hooks.
@@ -39,6 +39,7 @@ from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.grads import is_sharded, nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
 from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
+from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
 from ampaudit.runtime.stats import StatsAccumulator
 from ampaudit.runtime.trace import TRACE_VERSION, EventLog, TraceWriter
@@ -115,6 +116,9 @@ class Watch(PassHooks):
         self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
                                             every=divergence_every, grad_every=grad_divergence_every,
                                             local_every=local_divergence_every)
+        # Decisions (argmax, topk, x > t, round, ...) against FP32, on the same checks: ``decision`` events.
+        self._decisions = (DecisionCheck(self.root, device_type=self.device_type)
+                           if divergence_every is not None else None)
         self._log = EventLog(trace)
         self.events = self._log.events
         self._pass = PassState()
