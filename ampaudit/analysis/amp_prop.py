@@ -71,6 +71,9 @@ def canonical_op(node: fx.Node, root: torch.nn.Module) -> tuple[str, str | None]
         raw = str(node.target)
     else:
         return node.op, None
+    first = node.args[0] if node.args else None
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and raw in names.get("number_first", {}):
+        return names["number_first"][raw], None
     raw = names["aliases"].get(raw, raw)
     return names["aliases"].get(raw.strip("_"), raw.strip("_")) if raw.startswith("__") else raw, None
 
