@@ -21,7 +21,16 @@ when unknown; see :mod:`ampaudit.runtime.grad_hist`), ``eval`` (the trainer's ev
 the eval batches or null), ``preflight`` (the trainer's checks: ``checks: [{name, status, message, hint}]``) and,
 in the trainer's ``meta``, ``lr_policy`` (warmup_steps, scale, base_batch, micro_batch, effective_batch, factor),
 ``fsdp`` and ``compile``. A version-1 trace is a version-2 trace without them, so readers take both; a reader of
-version 1 skips the new kinds as unknown. New kinds are additive: a reader skips kinds it does not know.
+version 1 skips the new kinds as unknown. Version 3 adds ``precursor`` (instability precursors, written by the
+watch on its sampled passes, one event per signal, module and interval, like ``stats``;
+:mod:`ampaudit.runtime.precursors`): ``signal`` (``attn_logit``: the largest pre-softmax attention logit of the
+module whose own code calls softmax or scaled_dot_product_attention; ``output_logit``: the max |logit| of the
+model's output, module ""; ``output_lse``: its mean log-sum-exp; ``massive_activation``: the module's |output| max
+over its median |x|, with ``absmax``, ``median`` and ``min_abs``; ``value`` None when the median is 0), ``module``,
+``value`` (the interval's largest), ``threshold`` (the warning line of rules/policy/precursors.toml when written),
+and for the logit signals ``max_step`` (the sampled step the value was seen at), ``crossed_step`` (the first sampled
+step at or past ``threshold``, None if none) and ``passes``. A version-2 trace is a version-3 trace without them.
+New kinds are additive: a reader skips kinds it does not know.
 """
 from __future__ import annotations
 
@@ -33,10 +42,10 @@ from typing import IO, Any
 
 from ampaudit.errors import TraceError
 
-# Also the newest version ampaudit report reads (it reads 1 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 2
+# Also the newest version ampaudit report reads (it reads 1 and 2 too); a newer trace is read as far as it is known.
+TRACE_VERSION = 3
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
-BULK_EVENTS = frozenset({"stats", "grad_hist"})
+BULK_EVENTS = frozenset({"stats", "grad_hist", "precursor"})
 
 
 def jsonable(value: Any) -> Any:
@@ -89,8 +98,8 @@ class EventLog:
     """The events of one watched run: kept in ``events`` and written to a trace, if there is one.
 
     ``trace``: a JSON Lines path (opened and closed here), an open :class:`TraceWriter` (shared with a trainer
-    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` and
-    ``grad_hist`` events (:data:`BULK_EVENTS`, the bulk of a run) go to the file only.
+    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats``,
+    ``grad_hist`` and ``precursor`` events (:data:`BULK_EVENTS`, the bulk of a run) go to the file only.
 
         log = EventLog("run.jsonl")
         log.emit("nonfinite", step=3, module="attn", ...)

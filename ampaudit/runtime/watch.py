@@ -39,6 +39,7 @@ from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.grads import is_sharded, nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
 from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
+from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
 from ampaudit.runtime.stats import StatsAccumulator
 from ampaudit.runtime.trace import TRACE_VERSION, EventLog, TraceWriter
@@ -77,7 +78,7 @@ class Watch(PassHooks):
                  raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
                  locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
                  grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
-                 grad_hist: bool = True, scaler: Any = None):
+                 grad_hist: bool = True, scaler: Any = None, precursors: bool = True):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -110,6 +111,7 @@ class Watch(PassHooks):
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)
         self._hist = GradHistograms(scaler) if stats and grad_hist else None
+        self._prec = PrecursorMeter(self.root, dtype) if stats and precursors else None
         self._fslot = {m: self._acc.slot(n, "forward") for m, n in self._names.items()}
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
         self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
@@ -197,6 +199,9 @@ class Watch(PassHooks):
         step = self._pass.step if self._pass.step is not None else self.step
         for rec in self._acc.drain():
             self._emit("stats", step=step, **rec)
+        if self._prec is not None:
+            for rec in self._prec.drain():
+                self._emit("precursor", step=step, **rec)
         if self._hist is not None:
             for rec in self._hist.drain(self._acc.names):
                 self._emit("grad_hist", **rec)
@@ -216,6 +221,8 @@ class Watch(PassHooks):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            if self._prec is not None:
+                self._prec.abort()
             self._schedule.close()
             self._pass = PassState()       # drops the last pass's inputs and gradients
             self._log.close()
