@@ -1,6 +1,6 @@
 """A trace's mixed-precision health as one plain dict: steps, skips, loss scale, first non-finite, divergence,
 headroom, float8 layers (:mod:`ampaudit.report.trace_fp8`), gradient magnitudes (:mod:`ampaudit.report.grad_hist`),
-recommendations.
+instability precursors and loss spikes (:mod:`ampaudit.report.trace_precursors`), recommendations.
 
     from ampaudit.report.trace_summary import summarize_trace
     summary = summarize_trace("run.jsonl", top=5)
@@ -85,6 +85,7 @@ class TraceData:
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
     fp8_budget: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
+    precursors: list[dict] = field(default_factory=list)    # rows of ampaudit.report.trace_precursors
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -118,6 +119,7 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
     from ampaudit.report.trace_eval import eval_row
     from ampaudit.report.grad_hist import hist_row
+    from ampaudit.report.trace_precursors import precursor_row
 
     data = TraceData()
     last_step = 0
@@ -181,6 +183,10 @@ def collect(events: Iterable[dict]) -> TraceData:
             data.fp8_budget.append(budget_row(ev, step))
         elif kind == "eval":
             data.evals.append(eval_row(ev, step))
+        elif kind == "precursor":
+            row = precursor_row(ev, step)
+            if row is not None:
+                data.precursors.append(row)
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -339,6 +345,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.report.grad_hist import grad_hist_summary
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
+    from ampaudit.report.trace_precursors import precursor_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -371,6 +378,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "fp8": fp8_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
         "eval": eval_summary(data),
+        "precursors": precursor_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,
