@@ -17,9 +17,9 @@ Signals (thresholds and citations: rules/policy/precursors.toml):
 - ``massive_activation``: per module, on the pass of each interval that takes exact counts, its |output| max over
   the median |x| of a strided sample of that output.
 
-Calls are seen through a ``TorchFunctionMode`` entered only on sampled passes, and attributed with
-:class:`~ampaudit.runtime.locate.ModuleStack`, entered with it: the innermost running module is the one whose own
-code made the call. What this module computes never changes the model's outputs, and a failure to compute a
+Calls are seen through a ``TorchFunctionMode`` entered only on sampled passes, and attributed by a
+:class:`CallStack` entered with it (two global module hooks: the innermost running module of the model is the one
+whose own code made the call). What this module computes never changes the model's outputs, and a failure to compute a
 signal skips that signal (a precursor must never break the training step).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ampaudit.policy import precursors as precursor_policy
-from ampaudit.runtime.locate import ModuleStack
+from ampaudit.runtime.locate import module_names
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
 _SDPA = F.scaled_dot_product_attention
@@ -135,10 +135,45 @@ def is_attention_scores(x: Any, min_ndim: int = 4) -> bool:
     return x.dim() >= min_ndim or x.shape[-1] == x.shape[-2]
 
 
+class CallStack:
+    """The innermost running module of ``root`` while entered, from two global module hooks (registering one pair
+    per pass costs less than a pair on every module); modules outside ``root`` are transparent."""
+
+    def __init__(self, root: nn.Module):
+        self.names = module_names(root)
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(mod, self.current))
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def __enter__(self) -> "CallStack":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.stack.clear()
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.stack.clear()
+
+
 class LogitRecorder(TorchFunctionMode):
     """Records the largest pre-softmax logit of each attention call, keyed by the module ``stack.current`` names."""
 
-    def __init__(self, stack: ModuleStack, cfg: dict):
+    def __init__(self, stack: CallStack, cfg: dict):
         super().__init__()
         self.stack, self.min_ndim, self.chunk = stack, int(cfg["min_ndim"]), int(cfg["chunk_elements"])
         self.found: dict[str, list[torch.Tensor]] = {}
@@ -176,7 +211,7 @@ class PrecursorMeter:
     def __init__(self, root: nn.Module, dtype: torch.dtype):
         self.cfg = precursor_policy()
         self.dtype = dtype
-        self._stack = ModuleStack(root)
+        self._stack = CallStack(root)
         self._recorder: LogitRecorder | None = None
         self._step: int | None = None
         # Per pass: (step, 0-d device tensor); read once per interval, so the step each value was seen at is known.
@@ -203,7 +238,6 @@ class PrecursorMeter:
             rec, self._recorder = self._recorder, None
             rec.__exit__(None, None, None)
             self._stack.__exit__()
-            self._stack.stack.clear()
 
     def end_forward(self, outputs: list[torch.Tensor]) -> None:
         """Stop recording; keep the pass's attention maxima and measure the first output that looks like logits."""
@@ -248,7 +282,9 @@ class PrecursorMeter:
             self._massive.pop("", None)
         series = [self._attn[m] for m in sorted(self._attn)] + ([self._out_max, self._out_lse] if self._out_max else [])
         pending = [v for s in series for _, v in s] + [v for _, a, m in self._massive.values() for v in (a, m)]
-        values = torch.stack([v.float().reshape(()).cpu() for v in pending]).tolist() if pending else []
+        # One stack on the first value's device and one read (a read per value would sync per value on CUDA).
+        dev = pending[0].device if pending else None
+        values = torch.stack([v.float().reshape(()).to(dev) for v in pending]).tolist() if pending else []
         read, at = [], 0
         for s in series:
             read.append([(step, v) for (step, _), v in zip(s, values[at:at + len(s)])])
