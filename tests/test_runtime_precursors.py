@@ -1,6 +1,6 @@
 """ampaudit/runtime/precursors.py: the largest attention logit where sdpa never materializes it (against the
-materialized softmax input), attribution to the module whose own code calls softmax / sdpa, and the watch's
-``precursor`` events."""
+materialized softmax input), attribution to the module whose own code calls softmax / sdpa, the functions restored
+after each pass, and the watch's ``precursor`` events."""
 from __future__ import annotations
 
 import math
@@ -146,7 +146,16 @@ def test_watch_attributes_each_logit_to_the_module_whose_code_makes_it():
     out_ev = {e["signal"]: e for e in events if e["module"] == ""}
     assert out_ev["output_logit"]["value"] == pytest.approx(ref.abs().max().item(), rel=1e-6)
     assert out_ev["output_lse"]["value"] == pytest.approx(torch.logsumexp(ref, -1).mean().item(), rel=1e-5)
-    assert not torch._C._len_torch_function_stack()      # the recording mode is gone after the pass
+    _restored()
+
+
+def _restored():
+    from ampaudit.runtime.precursors import PATCHED
+
+    assert "softmax" not in torch.Tensor.__dict__              # the wrapper shadowed TensorBase's method only
+    assert F.softmax.__module__ == "torch.nn.functional" and not hasattr(F.softmax, "__wrapped__")
+    for owner, name, _ in PATCHED:
+        assert not hasattr(getattr(owner, name), "__wrapped__"), name
 
 
 def test_a_forward_that_raises_leaves_no_mode_behind():
@@ -159,7 +168,7 @@ def test_a_forward_that_raises_leaves_no_mode_behind():
     with pytest.raises(ValueError):
         w.model(torch.randn(2, 3, 4, 4))
     w.close()
-    assert not torch._C._len_torch_function_stack()
+    _restored()
 
 
 def test_massive_activation_ratio_and_quiet_modules():

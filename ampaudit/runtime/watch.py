@@ -12,7 +12,9 @@
 models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.runtime.trace``) and to
 ``w.events``: ``stats`` per module and phase every ``every`` steps, ``grad_hist`` (log2|gradient| per module,
 :mod:`ampaudit.runtime.grad_hist`) with them, ``nonfinite`` where inf/NaN first appears, ``divergence`` every
-``divergence_every`` steps, ``skip`` from :meth:`Watch.on_skipped_step`. Pass ``scaler=scaler`` (or call
+``divergence_every`` steps, ``skip`` from :meth:`Watch.on_skipped_step`, ``precursor`` (instability precursors on
+the sampled passes: attention and output logits, massive activations; :mod:`ampaudit.runtime.precursors`) with
+the statistics. Pass ``scaler=scaler`` (or call
 :meth:`Watch.set_loss_scale`) so the histograms know the loss scale in the gradients.
 
 A :class:`Watch` is made of its parts: the hook methods run in each pass (:class:`~ampaudit.runtime.pass_hooks.
@@ -63,6 +65,9 @@ class Watch(PassHooks):
     sampled pass of each interval) also count each module's output gradient by ``floor(log2|g|)`` (a ``grad_hist``
     event per module and interval). ``scaler``: the ``torch.amp.GradScaler`` of the loop, read once per such pass
     for the loss scale those gradients carry; without one, :meth:`set_loss_scale` says it (else it is unknown).
+    ``precursors``: on the sampled passes also record the largest attention logit per module (softmax and
+    scaled_dot_product_attention calls), the output logits' max and log-sum-exp, and on the counting pass each
+    module's |output| max over its median (``precursor`` events per signal, module and interval).
 
     Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
     scopes run on some checks only, counted in divergence checks (not steps), starting with the first
