@@ -176,8 +176,7 @@ class LogitRecorder:
 
     The functions of :data:`PATCHED` are replaced by recording wrappers for the duration (one sampled forward), and
     restored on exit. A ``TorchFunctionMode`` would see the calls too, but it routes every torch call of the pass
-    through Python: measured on samples/char_transformer.py, a pass-through mode adds ~14% to a forward, the
-    wrappers ~1%. A call made inside a wrapped one (F.softmax calls Tensor.softmax; multi_head_attention_forward
+    through Python (docs/watch.md: it more than doubled what the precursors cost). A call made inside a wrapped one (F.softmax calls Tensor.softmax; multi_head_attention_forward
     calls sdpa) is not recorded twice; code that imported a function by name before the watch started
     (``from torch.nn.functional import softmax``) is not seen.
     """
