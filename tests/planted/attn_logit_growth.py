@@ -15,8 +15,9 @@ model at initialization; the trace of a run names it.
 """
 import torch, torch.nn as nn, torch.nn.functional as F
 
-EXPECT = {"culprit": "blocks.0.attn", "families": ["precursor"], "target": {"device": "cpu", "dtype": "bfloat16"},
-          "phase": "training", "signal": "attn_logit"}
+# Both attention modules grow; blocks.1.attn crosses the warning line first (step 17), blocks.0.attn later (step 33).
+EXPECT = {"culprit": "blocks.1.attn", "culprits": ["blocks.0.attn", "blocks.1.attn"], "families": ["precursor"],
+          "target": {"device": "cpu", "dtype": "bfloat16"}, "phase": "training", "signal": "attn_logit"}
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 32, 64, 4, 2, 32, 32
 LR, WARMUP = 0.3, 30
