@@ -111,3 +111,25 @@ def test_html_plots_the_signals_and_says_when_there_are_none():
     assert 'id="plot-precursors"' in page and "max attention logit" in page and "warning (Kimi K2 cap)" in page
     old, problems = read_trace(ASSETS / "report_run.jsonl")
     assert "id='plot-precursors-empty'" in build_html(old, problems)
+
+
+def test_figure_has_a_panel_per_signal_family_on_log_axes():
+    pytest.importorskip("plotly")
+    from ampaudit.report.html_precursors import precursor_figure
+    from ampaudit.report.trace_summary import collect
+
+    rng = random.Random(1)
+    losses = [2.0 + rng.gauss(0, 0.01) for _ in range(30)] + [9.0]
+    events = _trace(*_steps(losses), _prec(10, "attn_logit", "blocks.0.attn", 40.0, max_step=9),
+                    _prec(20, "attn_logit", "blocks.0.attn", 400.0, max_step=17, crossed_step=17),
+                    _prec(20, "attn_logit", "blocks.1.attn", 20.0, max_step=17),
+                    _prec(20, "output_logit", "", 9.0, max_step=17), _prec(20, "output_lse", "", -5.0, max_step=17),
+                    _prec(20, "massive_activation", "blocks.0", 2000.0, absmax=300.0, median=0.15, max_step=1))
+    fig = precursor_figure(collect(events))
+    names = [t.name for t in fig.data]
+    assert names == ["max attention logit: blocks.0.attn", "max attention logit: blocks.1.attn",
+                     "output logits: max |logit|", "output logits: |log Z|", "|x| max / median: blocks.0"]
+    assert list(fig.data[0].x) == [9, 17] and list(fig.data[0].y) == [40.0, 400.0]
+    assert list(fig.data[3].y) == [5.0]                       # |log Z| on a log axis
+    assert {fig.layout[f"yaxis{i}"].type for i in ("", 2, 3)} == {"log"}
+    assert any(shape.x0 == 31 for shape in fig.layout.shapes)  # the loss spike at step 31

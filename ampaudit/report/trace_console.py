@@ -139,8 +139,8 @@ def _render_precursors(prec: dict, c: Console) -> None:
     spikes = prec.get("spikes") or {}
     if spikes.get("count"):
         first = spikes["first"]
-        c.print(f"  loss spikes ({fmt(spikes['sigmas'], 'g')} sigma above the rolling mean): {spikes['count']}, first at "
-                f"step {first['step']} ({fmt(first['loss'], '.4g')}, {fmt(first['sigmas'], '.1f')} sigma)")
+        c.print(f"  loss spikes ({fmt(spikes['sigmas'], 'g')} sigma above the rolling mean): {spikes['count']}, "
+                f"first at step {first['step']} ({fmt(first['loss'], '.4g')}, {fmt(first['sigmas'], '.1f')} sigma)")
 
 
 def render_summary(summary: dict, console: Console | None = None) -> None:

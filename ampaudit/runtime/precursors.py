@@ -17,10 +17,11 @@ Signals (thresholds and citations: rules/policy/precursors.toml):
 - ``massive_activation``: per module, on the pass of each interval that takes exact counts, its |output| max over
   the median |x| of a strided sample of that output.
 
-Calls are seen through recording wrappers of the softmax and attention functions, in place only during a
-sampled forward (:class:`LogitRecorder`), and attributed by a :class:`CallStack` entered with them (two global module hooks: the innermost running module of the model is the one
-whose own code made the call). What this module computes never changes the model's outputs, and a failure to compute a
-signal skips that signal (a precursor must never break the training step).
+Calls are seen through recording wrappers of the softmax and attention functions, in place only during a sampled
+forward (:class:`LogitRecorder`), and attributed by a :class:`CallStack` entered with them (two global module hooks:
+the innermost running module of the model is the one whose own code made the call). What this module computes never
+changes the model's outputs, and a failure to compute a signal skips that signal (a precursor must never break the
+training step).
 """
 from __future__ import annotations
 
@@ -176,9 +177,11 @@ class LogitRecorder:
 
     The functions of :data:`PATCHED` are replaced by recording wrappers for the duration (one sampled forward), and
     restored on exit. A ``TorchFunctionMode`` would see the calls too, but it routes every torch call of the pass
-    through Python (docs/watch.md: it more than doubled what the precursors cost). A call made inside a wrapped one (F.softmax calls Tensor.softmax; multi_head_attention_forward
-    calls sdpa) is not recorded twice; code that imported a function by name before the watch started
-    (``from torch.nn.functional import softmax``) is not seen.
+    through Python (docs/watch.md: it more than doubled what the precursors cost). A call made inside a wrapped one
+    (F.softmax calls Tensor.softmax; multi_head_attention_forward calls sdpa) is not recorded twice; code that
+    imported a function by name before the watch started (``from torch.nn.functional import softmax``) is not seen.
+    The wrappers are process-wide while in place: a call from another thread in that time is charged to the module
+    the watched forward is running.
     """
 
     def __init__(self, stack: CallStack, cfg: dict):
