@@ -21,8 +21,8 @@ The trainer measures the gradient norm itself (it clips) and writes its own even
     session.close_watch(); session.write("halt", step=step, ...)   # the watch's statistics go before the halt
     session.close()
 
-Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``), the ``step`` events and, when the
-model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
+Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``, ``precursor``), the ``step`` events
+and, when the model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
 (:mod:`ampaudit.runtime.fp8_stats`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
 (not closed here), or memory (``session.events``) when ``trace`` is None and ``memory`` is True.
 """
