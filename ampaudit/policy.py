@@ -63,6 +63,13 @@ def devices() -> dict:
 
 
 @lru_cache(maxsize=None)
+def precursors() -> dict:
+    """rules/policy/precursors.toml: thresholds of the instability precursors (attention and output logits, massive
+    activations, loss spikes) with their citations; one table per signal."""
+    return read_toml(rules_dir() / "policy" / "precursors.toml")
+
+
+@lru_cache(maxsize=None)
 def kernels() -> dict:
     """rules/policy/kernels.toml: what the kernels do with fp16/bf16 tensors (hazard per op, see the file)."""
     data = read_toml(rules_dir() / "policy" / "kernels.toml")

@@ -6,7 +6,7 @@
     python bench/watch_overhead.py --target ../shared/planted/gelu_cube.py --steps 50
     python bench/watch_overhead.py --grad-divergence-every 1 --local-divergence-every 1   # every scope, every check
 
-Six loops train identical copies of the model (same weights, same batches, same optimizer):
+Seven loops train identical copies of the model (same weights, same batches, same optimizer):
 
   none        no hooks                                                        (the baseline)
   flag        watch(model, stats=False): the non-finite flag on every pass, nothing else
@@ -16,6 +16,7 @@ Six loops train identical copies of the model (same weights, same batches, same 
               (gradient and local scopes on watch's default share of the checks; the options below)
   both        watch(model, every=50, divergence_every=50): statistics plus divergence
   no_hist     watch(model, every=50, grad_hist=False): statistics without the log2|gradient| histograms
+  no_prec     watch(model, every=50, precursors=False): statistics without the instability precursors
 
 The loops take turns, ``--chunk`` steps at a time, so load from other processes on a shared machine falls on
 all of them alike. The first ``--warmup`` steps of each loop are not timed (they include the watch's one-off
@@ -30,7 +31,8 @@ machine wall time mostly measures the neighbours.
 
 Targets: stats <= 1.10x and divergence <= 1.05x against ``none``. Two more rows isolate what divergence
 every 50 steps adds, amortized, to the same watch without it (<= 1.05x each): ``divergence/flag`` and
-``both/stats``. ``flag`` (the per-pass non-finite check alone) is shown for reference, and so is ``stats/no_hist``:
+``both/stats``; and what the instability precursors add to the statistics (<= 1.05x): ``stats/no_prec``.
+``flag`` (the per-pass non-finite check alone) is shown for reference, and so is ``stats/no_hist``:
 what the gradient histograms (one pass per interval) add to the statistics.
 Exit status 0 when every target passes, 1 otherwise.
 """
@@ -54,6 +56,7 @@ from ampaudit.runtime.watch import watch
 
 TARGETS = {"stats": 1.10, "divergence": 1.05}
 DIVERGENCE_ADDS = 1.05       # divergence on against the same watch without it
+PRECURSORS_ADD = 1.05        # the instability precursors against the same statistics without them
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -149,7 +152,8 @@ def main() -> int:
     configs = {"none": None, "flag": {"stats": False}, "stats": {"every": 50, **sampling},
                "divergence": {"stats": False, "divergence_every": args.divergence_every, **schedule},
                "both": {"every": 50, "divergence_every": args.divergence_every, **sampling, **schedule},
-               "no_hist": {"every": 50, "grad_hist": False, **sampling}}
+               "no_hist": {"every": 50, "grad_hist": False, **sampling},
+               "no_prec": {"every": 50, "precursors": False, **sampling}}
     div_checks = sum(1 for s in range(args.warmup, args.warmup + args.steps) if s % args.divergence_every == 0)
     print(f"target {loaded.display}  autocast cpu {args.dtype}  threads {torch.get_num_threads()}  "
           f"timed steps {args.steps} per loop (divergence checks in them: {div_checks})  repeats {args.repeat}")
@@ -169,10 +173,10 @@ def main() -> int:
         each = " ".join(f"{v:.3f}" for v in ratios[name])
         print(f"{name:<16}{ms:>8.2f}{ratio:>8.3f}x{shown:>9}  {verdict:<6}  {each}")
     for name, (num, den) in {"divergence/flag": ("divergence", "flag"), "both/stats": ("both", "stats"),
-                             "stats/no_hist": ("stats", "no_hist")}.items():
+                             "stats/no_hist": ("stats", "no_hist"), "stats/no_prec": ("stats", "no_prec")}.items():
         each = [r[num] / r[den] for r in runs]
         ratio = statistics.median(each)
-        limit = DIVERGENCE_ADDS if name != "stats/no_hist" else None
+        limit = {"stats/no_hist": None, "stats/no_prec": PRECURSORS_ADD}.get(name, DIVERGENCE_ADDS)
         good = limit is None or ratio <= limit
         ok &= good
         verdict = "" if limit is None else "PASS" if good else "FAIL"

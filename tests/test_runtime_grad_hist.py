@@ -89,7 +89,7 @@ def test_tiny_grads_histograms_sit_below_fp16s_range_until_scaled(tmp_path):
     with watch(planted.build_model(), trace=trace, every=5, scaler=scaler) as w:
         _train(planted, w, 10, scaler)
     events, problems = read_trace(trace)
-    assert not problems and events[0]["version"] == TRACE_VERSION == 3
+    assert not problems and events[0]["version"] == TRACE_VERSION >= 2   # grad_hist came with version 2
     hist = [e for e in events if e["event"] == "grad_hist"]
     # One event per module and interval, from its first sampled pass (one in stats_every=8: steps 0 and 8),
     # with the scale its gradients carried.

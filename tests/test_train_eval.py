@@ -63,7 +63,7 @@ def test_planted_fp16_eval_gap_shows_in_the_event_and_the_report(folded, tmp_pat
                       dtype="float16", eval_data=folded.eval_data, eval_every=2, trace=trace, handle_signals=False)
     trainer.fit(steps=4)
     events, evals = _evals(trace)
-    assert events[0]["version"] == TRACE_VERSION == 3
+    assert events[0]["version"] == TRACE_VERSION >= 2   # eval came with version 2
     assert [e["step"] for e in evals] == [2, 4]
     ev = evals[-1]
     assert (ev["dtype"], ev["batches"], ev["samples"]) == ("float16", 8, 512)

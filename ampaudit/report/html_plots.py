@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 
 from ampaudit.report.grad_hist_plot import grad_hist_figure
 from ampaudit.report.html_eval import eval_figure
+from ampaudit.report.html_precursors import precursor_figure
 from ampaudit.report.trace_advice import THRESHOLDS
 from ampaudit.report.trace_summary import TraceData, divergence_table, headroom_table
 
@@ -209,6 +210,8 @@ FIGURES: list[tuple[str, str, Callable[[TraceData], go.Figure | None], str]] = [
     ("plot-grad", "Gradient norm and clipping", grad_figure, "No gradient norms recorded."),
     ("plot-gradhist", "Gradient magnitudes against the dtype's range", grad_hist_figure,
      "No grad_hist events: the run was traced without tensor statistics (or before trace version 2)."),
+    ("plot-precursors", "Instability precursors", precursor_figure,
+     "No precursor events: the run was traced without tensor statistics (or before trace version 3)."),
     ("plot-divergence", "Divergence vs FP32 per module", divergence_figure,
      "No divergence events: the run was traced without an FP32 shadow comparison."),
     ("plot-headroom", "Headroom per module", headroom_figure,

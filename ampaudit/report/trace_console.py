@@ -121,6 +121,28 @@ def _render_fp8(fp8: dict, c: Console) -> None:
                 f"{fmt(b['max_flushed_share'], '.0%')}){then}")
 
 
+def _render_precursors(prec: dict, c: Console) -> None:
+    # Every attention and output row; massive activations only where they crossed (one row per module otherwise).
+    rows = [r for r in prec["signals"] if r["signal"] != "massive_activation" or r["crossed_step"] is not None]
+    c.print(f"\n[bold]Instability precursors[/] (rules/policy/precursors.toml)")
+    if rows:
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for col, just in (("signal", "left"), ("module", "left"), ("max", "right"), ("at step", "right"),
+                          ("line", "right"), ("crossed at", "right")):
+            t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        for r in rows:
+            crossed = r["crossed_step"]
+            t.add_row(r["signal"], escape(r["module"] or "<output>"), fmt(r["max"], ".4g"),
+                      str(r["max_step"] if r["max_step"] is not None else "-"), fmt(r["threshold"], ".4g"),
+                      f"[red]step {crossed}[/]" if crossed is not None else "-")
+        c.print(t)
+    spikes = prec.get("spikes") or {}
+    if spikes.get("count"):
+        first = spikes["first"]
+        c.print(f"  loss spikes ({fmt(spikes['sigmas'], 'g')} sigma above the rolling mean): {spikes['count']}, "
+                f"first at step {first['step']} ({fmt(first['loss'], '.4g')}, {fmt(first['sigmas'], '.1f')} sigma)")
+
+
 def render_summary(summary: dict, console: Console | None = None) -> None:
     """Print every section of the summary that has data; problems with the trace come first."""
     c = console or Console()
@@ -191,6 +213,9 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     if (summary.get("decisions") or {}).get("sites"):
         from ampaudit.report.trace_decisions import render_decisions
         render_decisions(summary["decisions"], c)
+    prec = summary.get("precursors") or {}
+    if prec.get("signals") or (prec.get("spikes") or {}).get("count"):
+        _render_precursors(prec, c)
 
     c.print("\n[bold]Recommendations[/]")
     if not summary["recommendations"]:

@@ -1,6 +1,7 @@
 """A trace's mixed-precision health as one plain dict: steps, skips, loss scale, first non-finite, divergence,
 headroom, float8 layers (:mod:`ampaudit.report.trace_fp8`), gradient magnitudes (:mod:`ampaudit.report.grad_hist`),
-swamping of low-precision state (:mod:`ampaudit.report.trace_swamping`), recommendations.
+swamping of low-precision state (:mod:`ampaudit.report.trace_swamping`), instability precursors and loss spikes
+(:mod:`ampaudit.report.trace_precursors`), recommendations.
 
     from ampaudit.report.trace_summary import summarize_trace
     summary = summarize_trace("run.jsonl", top=5)
@@ -88,6 +89,7 @@ class TraceData:
     swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
     preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)
     decisions: list[dict] = field(default_factory=list)     # rows of ampaudit.report.trace_decisions
+    precursors: list[dict] = field(default_factory=list)    # rows of ampaudit.report.trace_precursors
     unknown: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -123,6 +125,7 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.trace_eval import eval_row
     from ampaudit.report.grad_hist import hist_row
     from ampaudit.report.trace_swamping import preflight_rows, swamping_row
+    from ampaudit.report.trace_precursors import precursor_row
 
     data = TraceData()
     last_step = 0
@@ -194,6 +197,10 @@ def collect(events: Iterable[dict]) -> TraceData:
             data.preflight += preflight_rows(ev)
         elif kind == "decision":
             data.decisions.append(decision_row(ev, step))
+        elif kind == "precursor":
+            row = precursor_row(ev, step)
+            if row is not None:
+                data.precursors.append(row)
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
@@ -354,6 +361,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
     from ampaudit.report.trace_swamping import swamping_summary
+    from ampaudit.report.trace_precursors import precursor_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -388,6 +396,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "eval": eval_summary(data),
         "swamping": swamping_summary(data),
         "decisions": decision_summary(data),
+        "precursors": precursor_summary(data),
         "checkpoints": len(data.checkpoints),
         "last_checkpoint": data.checkpoints[-1]["path"] if data.checkpoints else None,
         "halt": data.halts[-1] if data.halts else None,

@@ -28,6 +28,7 @@ from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.locate import capture_rng, float_tensors, judge_against_fp32, replay
+from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
 from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes
 
@@ -83,6 +84,7 @@ class PassHooks:
     # parts
     _acc: StatsAccumulator
     _hist: GradHistograms | None     # log2|gradient| histograms, on full passes (None: off)
+    _prec: PrecursorMeter | None     # instability precursors, on sampled passes (None: off)
     _fslot: dict
     _bslot: dict
     _schedule: DivergenceSchedule
@@ -130,6 +132,8 @@ class PassHooks:
         if self.stats and self._passes % self.stats_every == 0:
             p.sample, p.full = True, self._counts_due
             self._counts_due = False
+            if self._prec is not None:
+                self._prec.begin_pass(step)
         dt = self.device_type
         amp = (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
         if dt == "cpu":                  # only the CPU generator matters
@@ -152,6 +156,8 @@ class PassHooks:
             if not t.is_floating_point():
                 continue
             self._acc.observe(fslot, t, full=full)
+            if full and self._prec is not None:
+                self._prec.observe_activation(self._acc.names[fslot][0], t)
             if t.requires_grad:
                 if t is p.hooked[0]:
                     # A container returning its child's output: one gradient hook serves both modules.
@@ -178,6 +184,8 @@ class PassHooks:
             return
         p.hooked, p.forward_done = _NO_HOOKED, True
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
+        if self._prec is not None and self._prec.active:
+            self._prec.end_forward(outs)
         grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
         if p.probe is not None:
             p.probe.end_forward()        # the FP32 shadow runs at the end of the pass
@@ -252,6 +260,8 @@ class PassHooks:
             # nothing to compare with FP32.
             bad = [("", "")]
             self._acc.end_pass(full=False)
+            if self._prec is not None:
+                self._prec.abort()
             if p.probe is not None:
                 p.probe, probe = None, p.probe
                 probe.close()

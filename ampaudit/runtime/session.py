@@ -24,8 +24,8 @@ The trainer measures the gradient norm itself (it clips) and writes its own even
 On the steps the statistics sample, in-place updates of low-precision state that round away are measured
 (``swamping`` events, :mod:`ampaudit.runtime.swamping`; the trainer adds its optimizer and FP32 masters with
 ``session.measure_updates(optimizer=..., mastered=..., names=...)``).
-Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``), the ``step`` events and, when the
-model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
+Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``, ``precursor``), the ``step`` events
+and, when the model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
 (:mod:`ampaudit.runtime.fp8_stats`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
 (not closed here), or memory (``session.events``) when ``trace`` is None and ``memory`` is True.
 """

@@ -39,7 +39,18 @@ comparison, a round/floor, a bucketize or multinomial on floating values) with m
 op), op (aten name, e.g. "topk"), source ("file:line"), kind (index | topk | sort | compare | round | bucket |
 sample), decisions (how many were compared: rows for index and topk, elements otherwise, at most 65536 per call of
 the elementwise kinds), flipped (how many differ from the FP32 run's, FP32 ties left out), share_flipped, used
-(whether the forward reads the result) and calls. A version-2 trace is a version-3 trace without them.
+(whether the forward reads the result) and calls.
+
+Version 3 also adds ``precursor`` (instability precursors, written by the
+watch on its sampled passes, one event per signal, module and interval, like ``stats``;
+:mod:`ampaudit.runtime.precursors`): ``signal`` (``attn_logit``: the largest pre-softmax attention logit of the
+module whose own code calls softmax or scaled_dot_product_attention; ``output_logit``: the max |logit| of the
+model's output, module ""; ``output_lse``: its mean log-sum-exp; ``massive_activation``: the module's |output| max
+over its median |x|, with ``absmax``, ``median`` and ``min_abs``; ``value`` None when the median is 0), ``module``,
+``value`` (the interval's largest), ``threshold`` (the warning line of rules/policy/precursors.toml when written),
+and for the logit signals ``max_step`` (the sampled step the value was seen at), ``crossed_step`` (the first sampled
+step at or past ``threshold``, None if none) and ``passes``. A version-2 trace is a version-3 trace without
+these three kinds.
 """
 from __future__ import annotations
 
@@ -51,10 +62,10 @@ from typing import IO, Any
 
 from ampaudit.errors import TraceError
 
-# Also the newest version ampaudit report reads (it reads 1 too); a newer trace is read as far as it is known.
+# Also the newest version ampaudit report reads (it reads 1 and 2 too); a newer trace is read as far as it is known.
 TRACE_VERSION = 3
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
-BULK_EVENTS = frozenset({"stats", "grad_hist"})
+BULK_EVENTS = frozenset({"stats", "grad_hist", "precursor"})
 
 
 def jsonable(value: Any) -> Any:
@@ -107,8 +118,8 @@ class EventLog:
     """The events of one watched run: kept in ``events`` and written to a trace, if there is one.
 
     ``trace``: a JSON Lines path (opened and closed here), an open :class:`TraceWriter` (shared with a trainer
-    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats`` and
-    ``grad_hist`` events (:data:`BULK_EVENTS`, the bulk of a run) go to the file only.
+    or a callback session, not closed here) or None (events in memory only). With a trace, ``stats``,
+    ``grad_hist`` and ``precursor`` events (:data:`BULK_EVENTS`, the bulk of a run) go to the file only.
 
         log = EventLog("run.jsonl")
         log.emit("nonfinite", step=3, module="attn", ...)

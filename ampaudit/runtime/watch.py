@@ -12,7 +12,10 @@
 models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.runtime.trace``) and to
 ``w.events``: ``stats`` per module and phase every ``every`` steps, ``grad_hist`` (log2|gradient| per module,
 :mod:`ampaudit.runtime.grad_hist`) with them, ``nonfinite`` where inf/NaN first appears, ``divergence`` every
-``divergence_every`` steps with ``decision`` (decision ops against FP32: :mod:`ampaudit.runtime.decision_record`), ``skip`` from :meth:`Watch.on_skipped_step`. Pass ``scaler=scaler`` (or call
+``divergence_every`` steps with ``decision`` (decision ops against FP32: :mod:`ampaudit.runtime.decision_record`),
+``skip`` from :meth:`Watch.on_skipped_step`, ``precursor`` (instability precursors on the sampled passes:
+attention and output logits, massive activations; :mod:`ampaudit.runtime.precursors`) with the statistics.
+Pass ``scaler=scaler`` (or call
 :meth:`Watch.set_loss_scale`) so the histograms know the loss scale in the gradients.
 
 A :class:`Watch` is made of its parts: the hook methods run in each pass (:class:`~ampaudit.runtime.pass_hooks.
@@ -40,6 +43,7 @@ from ampaudit.runtime.grads import is_sharded, nonfinite_grads
 from ampaudit.runtime.locate import module_names, unwrap
 from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
 from ampaudit.runtime.decision_record import DecisionCheck
+from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
 from ampaudit.runtime.stats import StatsAccumulator
 from ampaudit.runtime.trace import TRACE_VERSION, EventLog, TraceWriter
@@ -63,6 +67,9 @@ class Watch(PassHooks):
     sampled pass of each interval) also count each module's output gradient by ``floor(log2|g|)`` (a ``grad_hist``
     event per module and interval). ``scaler``: the ``torch.amp.GradScaler`` of the loop, read once per such pass
     for the loss scale those gradients carry; without one, :meth:`set_loss_scale` says it (else it is unknown).
+    ``precursors``: on the sampled passes also record the largest attention logit per module (softmax and
+    scaled_dot_product_attention calls), the output logits' max and log-sum-exp, and on the counting pass each
+    module's |output| max over its median (``precursor`` events per signal, module and interval).
 
     Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
     scopes run on some checks only, counted in divergence checks (not steps), starting with the first
@@ -78,7 +85,7 @@ class Watch(PassHooks):
                  raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
                  locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
                  grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
-                 grad_hist: bool = True, scaler: Any = None):
+                 grad_hist: bool = True, scaler: Any = None, precursors: bool = True):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -111,6 +118,7 @@ class Watch(PassHooks):
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)
         self._hist = GradHistograms(scaler) if stats and grad_hist else None
+        self._prec = PrecursorMeter(self.root, dtype) if stats and precursors else None
         self._fslot = {m: self._acc.slot(n, "forward") for m, n in self._names.items()}
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
         self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
@@ -201,6 +209,9 @@ class Watch(PassHooks):
         step = self._pass.step if self._pass.step is not None else self.step
         for rec in self._acc.drain():
             self._emit("stats", step=step, **rec)
+        if self._prec is not None:
+            for rec in self._prec.drain():
+                self._emit("precursor", step=step, **rec)
         if self._hist is not None:
             for rec in self._hist.drain(self._acc.names):
                 self._emit("grad_hist", **rec)
@@ -220,6 +231,8 @@ class Watch(PassHooks):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            if self._prec is not None:
+                self._prec.abort()
             self._schedule.close()
             self._pass = PassState()       # drops the last pass's inputs and gradients
             self._log.close()
