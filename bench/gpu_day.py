@@ -11,7 +11,7 @@ Parts (``--only NAME``), in order:
                and planted models: real CUDA autocast vs rules/policy vs the CPU simulation (goal: no row)
   calibration  ``check --calibrate`` calibrated on the GPU vs the simulated CUDA target: the same findings,
                module for module
-  trainer      the sample transformer scaled to ~150M parameters: tokens/s and peak memory of FP32, fp16 O1,
+  trainer      the sample transformer scaled to 152M parameters: tokens/s and peak memory of FP32, fp16 O1,
                bf16 O1, bf16 O2 under ``ampaudit.Trainer`` and a hand-written loop, alternated in one process
   watch        watch's statistics and divergence (every 50 steps) against no hooks, at those step times
   fp8          torchao Float8Linear (tensorwise, rowwise; eager, then compiled) vs bf16 per Linear shape of
@@ -81,18 +81,18 @@ PARTS = {
                    "per dtype: test-list ops and model nodes whose CUDA dtype differs from rules/policy or the "
                    "simulation (baseline: how many were compared); table 'disagreements'",
                    tiny={"dtypes": ["bfloat16"], "models": 2}),
-    "calibration": Part("gpu_day_truth", "calibration_truth", 2.5,
+    "calibration": Part("gpu_day_truth", "calibration_truth", 1.5,
                         "per dtype: models whose calibrated findings are identical (baseline: models compared); "
                         "table 'differing findings'", tiny={"dtypes": ["bfloat16"], "models": 1}),
-    "trainer": Part("gpu_day_train", "trainer_speed", 2.5,
+    "trainer": Part("gpu_day_train", "trainer_speed", 3.0,
                     "per config and loop: tokens/s and peak MiB (baseline: the same loop in FP32); trainer / "
                     "hand-written step time", gpu={"rounds": 3, "steps": 10},
-                    tiny={"shape": "tiny", "rounds": 1, "steps": 2, "configs": ["fp32", "bf16 O1", "bf16 O2"]}),
+                    tiny={"shape": "tiny", "rounds": 1, "steps": 1, "configs": ["fp32", "bf16 O2"]}),
     "watch": Part("gpu_day_train", "watch_cost", 1.5,
                   "step time of watch(stats), watch(divergence every 50), both (baseline: no hooks)",
                   gpu={"steps": 100, "warmup": 5, "chunk": 10},
                   tiny={"shape": "tiny", "steps": 4, "warmup": 1, "chunk": 2}),
-    "fp8": Part("gpu_day_fp8", "fp8_speed", 2.5,
+    "fp8": Part("gpu_day_fp8", "fp8_speed", 3.0,
                 "per Linear shape, recipe and eager/compiled: fp8 speed-up over bf16 (baseline: the roofline's "
                 "prediction for this GPU); table 'per shape'",
                 tiny={"modes": ["eager"], "models": ["sample"], "tokens": 32, "max_shapes": 2, "iters": 1,

@@ -24,8 +24,10 @@ from gpu_day_record import PartBudget, Record
 from train_overhead import alternate, load_model_file
 from watch_overhead import Loop
 
-# The sample transformer scaled so a bf16 step on one H100/H200-class GPU takes tens of milliseconds
-# (~150M parameters, 8192 tokens a step); ``tiny`` runs the same code in seconds on a CPU.
+# The sample transformer scaled to fill a GPU step: 151.8M parameters and 8192 tokens a step, so 6 * params *
+# tokens = 7.5 TFLOP (attention besides), 7.5 ms at the H200's dense bf16 peak in rules/policy/gpus.toml and a
+# few times that at a realistic efficiency; each figure's note gives the step time measured. ``tiny`` runs the
+# same code in seconds on a CPU.
 SHAPES = {"gpu": dict(d_model=1024, n_head=16, n_layer=12, block=512, batch=16),
           "tiny": dict(d_model=32, n_head=2, n_layer=1, block=16, batch=4)}
 VOCAB = 64                 # the sonnets' 58 characters, padded to the Tensor Core grid
