@@ -126,7 +126,9 @@ def dry_run(names: list[str], budget: Budget, dev: Device | None, tiny: bool) ->
     for name, seconds in budget.split(names).items():
         part = PARTS[name]
         cfg = part.tiny if tiny else part.gpu
+        alone = f"python bench/gpu_day.py --only {name} --budget-s {seconds:.0f}" + (" --tiny" if tiny else "")
         print(f"\n{name:<12} {seconds:6.0f} s   {part.module}.{part.function}({cfg or ''})")
+        print(f"{'':<12} alone: {alone}")
         print(f"{'':<12} figures: {part.figures}")
 
 

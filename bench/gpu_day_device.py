@@ -38,9 +38,16 @@ class Device:
     peak_bytes: Callable[[], int | None] = lambda: None
 
     def put(self, value: Any) -> Any:
-        """``value`` (tensors, modules, or containers of tensors) on this device."""
+        """``value`` (tensors, modules, or containers of tensors) on this device. A module's plain tensor
+        attributes move too: ``Module.to`` moves parameters and buffers only, and torch.fx keeps a traced
+        constant (``_tensor_constant0``) as a plain attribute."""
         if isinstance(value, torch.nn.Module):
-            return value.to(self.type)
+            value = value.to(self.type)
+            for mod in value.modules():
+                for name, attr in list(vars(mod).items()):
+                    if isinstance(attr, torch.Tensor):
+                        setattr(mod, name, attr.to(self.type))
+            return value
         return tree_map(lambda t: t.to(self.type) if isinstance(t, torch.Tensor) else t, value)
 
     def autocast(self, dtype: torch.dtype, enabled: bool = True) -> contextlib.AbstractContextManager:

@@ -89,9 +89,11 @@ def variants(k: int, n: int, dev: Device, compiled: bool) -> dict[str, Callable[
 
 def fp8_speed(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
     """Measured fp8 / bf16 speed-up per shape and recipe, against the roofline's prediction."""
-    from ampaudit.planning.speed import linear_times
+    from ampaudit.planning.speed import linear_times, supports_float8
 
     gpu = cfg.get("gpu") or gpu_key(dev.name)
+    if gpu is not None and not supports_float8(gpu):
+        gpu = None                        # no fp8 Tensor Cores there: nothing to predict
     rows: list[dict] = []
     for mode in cfg.get("modes", ("eager", "compiled")):
         for model in cfg.get("models", ("sample", "llama3-8b")):
@@ -100,6 +102,10 @@ def fp8_speed(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
             for layer, k, n in shapes[: cfg.get("max_shapes")]:
                 if part.expired():
                     return "stopped: budget"
+                if mode == "compiled":
+                    # Every Float8Linear (and Sequential) shares one forward code object: without a reset, the
+                    # shapes after dynamo's recompile limit would run eager and be reported as compiled.
+                    torch._dynamo.reset()
                 x = torch.randn(m, k, device=dev.type, dtype=torch.bfloat16, requires_grad=True)
                 grad = torch.randn(m, n, device=dev.type, dtype=torch.bfloat16)
                 times: dict[str, float | str] = {}

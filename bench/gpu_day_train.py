@@ -60,7 +60,8 @@ def hand_loop(wl: SimpleNamespace, dev: Device, dtype: torch.dtype, opt_level: s
               clip: float = 1.0) -> tuple[float, float]:
     """The canonical AMP loop written out (bench/train_overhead.py's order); O2 keeps FP32 master weights
     beside the low-precision model, as apex did. (wall, CPU) seconds per step."""
-    model = dev.put(wl.build_model())
+    with torch.device(dev.type):          # initialised where it trains: a 152M-parameter init on CPU takes seconds
+        model = dev.put(wl.build_model())
     params = list(model.parameters())
     masters = None
     if opt_level == "O2":
@@ -72,7 +73,8 @@ def hand_loop(wl: SimpleNamespace, dev: Device, dtype: torch.dtype, opt_level: s
     start, cpu = now(), time.process_time()
     for _ in range(steps):
         x, y = dev.put(next(data))
-        with dev.autocast(dtype, enabled=opt_level == "O1"):
+        # The device's own autocast, as the trainer's (the simulated device's CUDA policy is for dtypes, not speed).
+        with torch.autocast(dev.type, dtype=dtype, enabled=opt_level == "O1" and dtype != torch.float32):
             loss = wl.loss_fn(model(x), y)
         scaler.scale(loss).backward()
         if masters is not None:
@@ -94,7 +96,9 @@ def trainer_loop(wl: SimpleNamespace, dev: Device, dtype: torch.dtype, opt_level
                  clip: float = 1.0) -> tuple[float, float]:
     from ampaudit.train import Trainer
 
-    trainer = Trainer(wl.build_model(), wl.loss_fn, wl.train_data, optimizer=wl.make_optimizer, dtype=dtype,
+    with torch.device(dev.type):
+        model = wl.build_model()
+    trainer = Trainer(model, wl.loss_fn, wl.train_data, optimizer=wl.make_optimizer, dtype=dtype,
                       opt_level=opt_level, clip_norm=clip, device=dev.type, handle_signals=False)
     now = dev.timer()
     start, cpu = now(), time.process_time()
@@ -158,7 +162,8 @@ def watch_cost(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
     wl = workload(SHAPES[cfg.get("shape", "gpu")])
     steps, warmup, chunk = cfg.get("steps", 100), cfg.get("warmup", 5), cfg.get("chunk", 10)
     data = [((dev.put(x),), dev.put(y)) for x, y in itertools.islice(wl.train_data(), warmup + steps)]
-    model = dev.put(wl.build_model())
+    with torch.device(dev.type):
+        model = wl.build_model()
     loops = [Loop(name, _copy(model), wl.make_optimizer, wl.loss_fn, torch.bfloat16, kw, device_type=dev.type,
                   sync=dev.sync) for name, kw in WATCH_CONFIGS.items()]
     status = "done"

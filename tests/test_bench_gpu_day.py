@@ -74,6 +74,22 @@ def test_budget_must_be_positive(capsys):
     assert exc.value.code == 2 and "--budget-s must be positive" in capsys.readouterr().err
 
 
+def test_device_put_moves_traced_constants_too():
+    class WithConstant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.mask = torch.ones(2)          # a plain attribute, as fx keeps _tensor_constant0
+
+        def forward(self, x):
+            return self.lin(x) * self.mask
+
+    gm = torch.fx.symbolic_trace(WithConstant())
+    moved = Device(type="meta", name="meta").put(gm)
+    assert moved.lin.weight.is_meta and moved.mask.is_meta
+    assert Device(type="meta", name="meta").put({"x": (torch.ones(1), 3)})["x"][0].is_meta
+
+
 # -- the writer and the budget -----------------------------------------------------------------------------------
 
 def test_record_rewrites_json_and_markdown_after_every_figure(tmp_path):
