@@ -29,9 +29,11 @@ Install, on a bare machine with network (a CUDA build of torch, torchao, the pro
 
     pip install torch --index-url https://download.pytorch.org/whl/cu128 && pip install torchao && pip install -e .
 
-On a machine that already has a CUDA torch and no network (the lent H200 image has torch, numpy, typer, rich,
-networkx; not torchao or libcst), carry their wheels in ``.whl/`` (``pip download --no-deps`` here, for that
-machine's Python and torch) and run, timing the install into the JSON:
+On a machine that already has a CUDA torch and no network (an image with torch, numpy and networkx: all this
+script imports besides torchao), carry a torchao wheel built for that torch (torchao's compatibility table) in
+``.whl/``, fetched elsewhere with ``pip download --no-deps --only-binary=:all: --python-version 3.12
+--platform manylinux_2_28_x86_64 -d .whl torchao==VERSION``, and run the project from its checkout, timing the
+install into the JSON:
 
     t0=$(date +%s); python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 \\
@@ -155,13 +157,14 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> int:
     args = parse(argv)
     names = [n for n in PARTS if not args.only or n in args.only]
     dev = device or (simulated_cuda() if args.simulate else cuda_device())
-    budget = Budget(args.budget_s, {n: PARTS[n].share for n in names})
+    shares = {n: PARTS[n].share for n in names}
     if args.dry_run:
-        dry_run(names, budget, dev, args.tiny)
+        dry_run(names, Budget(args.budget_s, shares), dev, args.tiny)
         return 0
     info = {**machine(dev), "budget_s": args.budget_s, "install_s": args.install_s,
             "sizes": "tiny" if args.tiny else "gpu"}
     record = Record(args.out, info)
+    budget = Budget(args.budget_s, shares)          # the clock starts with the first part, imports done
     try:
         with budget.hard_stop(args.grace_s):
             for i, name in enumerate(names):

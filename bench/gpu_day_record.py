@@ -126,8 +126,9 @@ class Record:
         return "\n".join(lines) + "\n"
 
 
-class BudgetExceeded(Exception):
-    """The whole run's time is up (raised by the alarm :meth:`Budget.hard_stop` sets)."""
+class BudgetExceeded(BaseException):
+    """The whole run's time is up (raised by the alarm :meth:`Budget.hard_stop` sets). A BaseException, as
+    KeyboardInterrupt is: a part's ``except Exception`` around one measurement must not swallow it."""
 
 
 class PartBudget:

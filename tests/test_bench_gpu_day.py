@@ -132,7 +132,10 @@ def _fake_parts(monkeypatch):
 
     def stuck(record, part, dev, cfg):
         record.figure("stuck", "before the long measurement", 2.0)
-        time.sleep(30)
+        try:
+            time.sleep(30)
+        except Exception:                 # a part's guard around one measurement does not catch the stop
+            return "done"
         return "done"
 
     monkeypatch.setitem(sys.modules, "gpu_day_fake_parts", types.SimpleNamespace(polite=polite, stuck=stuck))
