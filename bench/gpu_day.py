@@ -12,7 +12,8 @@ Parts (``--only NAME``), in order:
   calibration  ``check --calibrate`` calibrated on the GPU vs the simulated CUDA target: the same findings,
                module for module
   trainer      the sample transformer scaled to 152M parameters: tokens/s and peak memory of FP32, fp16 O1,
-               bf16 O1, bf16 O2 under ``ampaudit.Trainer`` and a hand-written loop, alternated in one process
+               bf16 O1, bf16 O2 (then FP32 with TF32) under ``ampaudit.Trainer`` and a hand-written loop,
+               alternated in one process
   watch        watch's statistics and divergence (every 50 steps) against no hooks, at those step times
   fp8          torchao Float8Linear (tensorwise, rowwise; eager, then compiled) vs bf16 per Linear shape of
                the sample and of Llama-3-8B, against ampaudit/planning/speed.py's roofline for this GPU

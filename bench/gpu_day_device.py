@@ -97,6 +97,8 @@ def machine(dev: Device | None) -> dict:
         info["torchao"] = f"unavailable ({type(exc).__name__})"
     if dev is not None and dev.type == "cuda":
         props = torch.cuda.get_device_properties(0)
+        # TF32 decides what an "FP32" GEMM or convolution is (the FP32 baselines and calibration's reference).
         info.update(compute_capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1),
-                    multiprocessors=props.multi_processor_count, cudnn=torch.backends.cudnn.version())
+                    multiprocessors=props.multi_processor_count, cudnn=torch.backends.cudnn.version(),
+                    tf32_matmul=torch.backends.cuda.matmul.allow_tf32, tf32_cudnn=torch.backends.cudnn.allow_tf32)
     return info

@@ -10,12 +10,13 @@ step costs.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,8 +32,11 @@ from watch_overhead import Loop
 SHAPES = {"gpu": dict(d_model=1024, n_head=16, n_layer=12, block=512, batch=16),
           "tiny": dict(d_model=32, n_head=2, n_layer=1, block=16, batch=4)}
 VOCAB = 64                 # the sonnets' 58 characters, padded to the Tensor Core grid
-CONFIGS = {"fp32": (torch.float32, "O1"), "fp16 O1": (torch.float16, "O1"), "bf16 O1": (torch.bfloat16, "O1"),
-           "bf16 O2": (torch.bfloat16, "O2")}
+# name -> (dtype, opt level, TF32 GEMMs). FP32 is the baseline as torch ships it (TF32 off for matmuls);
+# "fp32 tf32" last, the FP32 many recipes turn on (torch.backends.cuda.matmul.allow_tf32 = True).
+CONFIGS = {"fp32": (torch.float32, "O1", False), "fp16 O1": (torch.float16, "O1", False),
+           "bf16 O1": (torch.bfloat16, "O1", False), "bf16 O2": (torch.bfloat16, "O2", False),
+           "fp32 tf32": (torch.float32, "O1", True)}
 
 
 def workload(shape: dict, seed: int = 0) -> SimpleNamespace:
@@ -127,26 +131,39 @@ def measure_config(wl, dev: Device, dtype: torch.dtype, opt_level: str, cfg: dic
                    "peak_bytes": max((p for p in peaks[name] if p is not None), default=None)} for name in rows}
 
 
+@contextlib.contextmanager
+def tf32_matmuls(on: bool) -> Iterator[None]:
+    """TF32 for CUDA matmuls and convolutions while inside (``on``), as before afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if on:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def trainer_speed(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
     """tokens/s and peak memory of each config under the trainer and the hand-written loop, FP32 the baseline."""
     wl = workload(SHAPES[cfg.get("shape", "gpu")])
     base: dict[str, dict] = {}
-    for name, (dtype, level) in CONFIGS.items():
+    for name, (dtype, level, tf32) in CONFIGS.items():
         if name not in cfg.get("configs", CONFIGS):
             continue
         if part.expired():
             return "stopped: budget"
-        got = measure_config(wl, dev, dtype, level, cfg)
+        with tf32_matmuls(tf32):
+            got = measure_config(wl, dev, dtype, level, cfg)
         base = base or got
         for loop, m in got.items():
             tps = wl.tokens / m["step_s"]
             record.figure("trainer", f"{loop} {name} tokens/s", tps, unit="tokens/s",
                           baseline=(f"{loop} fp32 tokens/s", wl.tokens / base[loop]["step_s"]),
-                          note=f"step {m['step_s'] * 1e3:.1f} ms" + ("" if name == "fp32" else "; claim: AMP 1.5-3x"))
+                          note=f"step {m['step_s'] * 1e3:.1f} ms" + ("" if dtype == torch.float32 else "; claim: AMP 1.5-3x"))
             if m["peak_bytes"] is not None:
                 record.figure("trainer", f"{loop} {name} peak memory", m["peak_bytes"] / 2**20, unit="MiB",
                               baseline=(f"{loop} fp32 peak memory", (base[loop]["peak_bytes"] or 0) / 2**20),
-                              note="" if name == "fp32" else "claim: 30-50% less than FP32")
+                              note="" if dtype == torch.float32 else "claim: 30-50% less than FP32")
         record.figure("trainer", f"trainer / hand-written {name} step time", got["trainer"]["step_s"],
                       unit="s", baseline=("hand-written step time", got["hand-written"]["step_s"]),
                       note="target <= 1.03x")

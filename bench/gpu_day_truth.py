@@ -103,11 +103,13 @@ def list_entries(device_type: str) -> Iterator[tuple[str, str, Any, tuple, dict]
     lists, _ = autocast_lists(device_type)
     for name, entries in vars(lists).items():
         prefix = name.split("_", 1)[0]
-        if not isinstance(entries, list) or prefix not in LIST_MODULES:
+        if not isinstance(entries, list) or prefix not in (*LIST_MODULES, "banned"):
             continue
         for entry in entries:
             op, args, kwargs = split(entry)
-            yield name, op, LIST_MODULES[prefix], tuple(args), kwargs
+            # A banned entry names its module third: (op, args, torch._C._nn).
+            module = entry[2] if prefix == "banned" else LIST_MODULES[prefix]
+            yield name, op, module, tuple(args), kwargs
 
 
 def compare_lists(dev: Device, dtype: str, part: PartBudget) -> tuple[int, list[dict]]:

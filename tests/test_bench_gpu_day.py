@@ -305,3 +305,22 @@ def test_gpu_shape_is_the_size_the_docs_give():
         model = workload(SHAPES["gpu"]).build_model()
     assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 152      # BENCHMARKS.md, gpu_day.py
     assert SHAPES["gpu"]["batch"] * SHAPES["gpu"]["block"] == 8192
+
+
+def test_tf32_context_restores_the_flags():
+    from gpu_day_train import tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_banned_list_entries_are_compared_and_raise_on_both_sides():
+    from gpu_day_truth import list_entries, run_entry
+
+    banned = [e for e in list_entries("cpu") if e[0] == "banned"]
+    assert banned and banned[0][1] == "binary_cross_entropy"
+    name, op, module, args, kwargs = banned[0]
+    got = run_entry(simulated_cuda(), torch.float16, module, op, args, kwargs)
+    assert got and all(v.startswith("raises") for v in got.values())
