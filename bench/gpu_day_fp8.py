@@ -62,6 +62,8 @@ def step_seconds(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, dev: De
     """Wall seconds of one forward + backward of ``module`` on ``x`` (three warm-up steps first)."""
     def once():
         module(x).backward(grad)
+        x.grad = None                      # a fresh gradient each step, as after zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
     for _ in range(3):
         once()
     now = dev.timer()
@@ -76,7 +78,8 @@ def variants(k: int, n: int, dev: Device, compiled: bool) -> dict[str, Callable[
     from ampaudit.planning.fp8 import config, import_torchao
 
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(k, n, bias=False)).to(dev.type, torch.bfloat16)
+    with torch.device(dev.type):          # Llama's 4096 x 128256 head: seconds to initialise on a CPU
+        base = nn.Sequential(nn.Linear(k, n, bias=False)).to(torch.bfloat16)
 
     def fp8(recipe):
         def build():
@@ -95,8 +98,9 @@ def fp8_speed(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
     if gpu is not None and not supports_float8(gpu):
         gpu = None                        # no fp8 Tensor Cores there: nothing to predict
     rows: list[dict] = []
+    failed: set[tuple] = set()            # (model, layer, variant) that raised eagerly: not compiled again
     for mode in cfg.get("modes", ("eager", "compiled")):
-        for model in cfg.get("models", ("sample", "llama3-8b")):
+        for model in cfg.get("models", ("llama3-8b", "sample")):
             tokens, shapes = linear_shapes(model)
             m = cfg.get("tokens", tokens)
             for layer, k, n in shapes[: cfg.get("max_shapes")]:
@@ -110,10 +114,14 @@ def fp8_speed(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
                 grad = torch.randn(m, n, device=dev.type, dtype=torch.bfloat16)
                 times: dict[str, float | str] = {}
                 for name, build in variants(k, n, dev, mode == "compiled").items():
+                    if (model, layer, name) in failed:
+                        times[name] = "error eagerly: not compiled"
+                        continue
                     try:
                         times[name] = step_seconds(build(), x, grad, dev, cfg.get("iters", 20))
                     except Exception as exc:      # misaligned dims, a kernel torchao lacks for this GPU
                         times[name] = f"error: {type(exc).__name__}: {str(exc)[:60]}"
+                        failed.add((model, layer, name))
                 for recipe in RECIPES:
                     label = f"{model} {layer} M,K,N={m},{k},{n} {recipe} {mode}"
                     pred = linear_times(m, k, n, gpu, recipe=recipe)["speedup"] if gpu else "no gpus.toml entry"
