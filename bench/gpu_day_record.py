@@ -132,9 +132,12 @@ class BudgetExceeded(BaseException):
 
 
 class PartBudget:
+    """One part's seconds, from when it starts; ``stopped`` is for the part to say it ran out."""
+
     def __init__(self, seconds: float, clock: Callable[[], float]):
         self.seconds, self._clock = seconds, clock
         self._end = clock() + seconds
+        self.stopped = False
 
     def left(self) -> float:
         return self._end - self._clock()

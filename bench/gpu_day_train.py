@@ -159,7 +159,8 @@ def trainer_speed(record: Record, part: PartBudget, dev: Device, cfg: dict) -> s
             tps = wl.tokens / m["step_s"]
             record.figure("trainer", f"{loop} {name} tokens/s", tps, unit="tokens/s",
                           baseline=(f"{loop} fp32 tokens/s", wl.tokens / base[loop]["step_s"]),
-                          note=f"step {m['step_s'] * 1e3:.1f} ms" + ("" if dtype == torch.float32 else "; claim: AMP 1.5-3x"))
+                          note=f"step {m['step_s'] * 1e3:.1f} ms"
+                          + ("" if dtype == torch.float32 else "; claim: AMP 1.5-3x"))
             if m["peak_bytes"] is not None:
                 record.figure("trainer", f"{loop} {name} peak memory", m["peak_bytes"] / 2**20, unit="MiB",
                               baseline=(f"{loop} fp32 peak memory", (base[loop]["peak_bytes"] or 0) / 2**20),

@@ -186,6 +186,20 @@ def compare_nodes(path: Path, dtype: str, dev: Device) -> tuple[int, list[dict]]
     return compared, rows
 
 
+def _models(part: PartBudget, cfg: dict) -> Iterator[Path]:
+    """The model files in turn, until the part's budget is spent (``part.stopped`` then says so)."""
+    part.stopped = False
+    for path in model_files(cfg.get("models")):
+        if part.expired():
+            part.stopped = True
+            return
+        yield path
+
+
+def _error_row(dtype: str, path: Path, exc: Exception) -> dict:
+    return {"dtype": dtype, "model": f"{path.parent.name}/{path.name}", "error": f"{type(exc).__name__}: {exc}"[:160]}
+
+
 def policy_truth(record: Record, part: PartBudget, dev: Device, cfg: dict) -> str:
     """Output dtypes of every autocast test-list op and every model node: real vs rules/policy vs simulation."""
     rows: list[dict] = []
@@ -196,16 +210,20 @@ def policy_truth(record: Record, part: PartBudget, dev: Device, cfg: dict) -> st
                       baseline=("entries compared", compared), note="goal: 0")
         record.table("policy", "disagreements", rows)
     for dtype in cfg.get("dtypes", DTYPES):
-        nodes, bad = 0, 0
-        for path in model_files(cfg.get("models")):
-            if part.expired():
-                return "stopped: budget"
-            compared, found = compare_nodes(path, dtype, dev)
-            nodes, bad = nodes + compared, bad + len(found)
+        nodes = bad = models = 0
+        for path in _models(part, cfg):
+            try:
+                compared, found = compare_nodes(path, dtype, dev)
+            except Exception as exc:      # a model that cannot run there is a row, not the end of the part
+                compared, found = 0, [_error_row(dtype, path, exc)]
+            nodes, bad, models = nodes + compared, bad + len(found), models + 1
             rows += found
             record.table("policy", "disagreements", rows)
-        record.figure("policy", f"{dtype}: model nodes disagreeing", bad, unit="nodes", baseline=("nodes compared", nodes),
-                      note="goal: 0")
+        record.figure("policy", f"{dtype}: model nodes disagreeing", bad, unit="nodes",
+                      baseline=("nodes compared", nodes),
+                      note=f"goal: 0; {models} models" + (", stopped by the budget" if part.stopped else ""))
+        if part.stopped:
+            return "stopped: budget"
     return "done"
 
 
@@ -238,17 +256,21 @@ def calibration_truth(record: Record, part: PartBudget, dev: Device, cfg: dict) 
     rows: list[dict] = []
     for dtype in cfg.get("dtypes", DTYPES):
         same = total = 0
-        for path in model_files(cfg.get("models")):
-            if part.expired():
-                return "stopped: budget"
-            simulated, real = findings_of(path, dtype, None), findings_of(path, dtype, dev)
+        for path in _models(part, cfg):
             total += 1
-            same += simulated == real
-            for rule, module in sorted(simulated ^ real):
-                rows.append({"dtype": dtype, "model": f"{path.parent.name}/{path.name}", "rule": rule,
-                             "module": module, "found by": "simulation only" if (rule, module) in simulated
-                             else "real device only"})
+            try:
+                simulated, real = findings_of(path, dtype, None), findings_of(path, dtype, dev)
+            except Exception as exc:      # a model that cannot run there is a row, not the end of the part
+                rows.append(_error_row(dtype, path, exc))
+            else:
+                same += simulated == real
+                rows += [{"dtype": dtype, "model": f"{path.parent.name}/{path.name}", "rule": rule, "module": module,
+                          "found by": "simulation only" if (rule, module) in simulated else "real device only"}
+                         for rule, module in sorted(simulated ^ real)]
             record.table("calibration", "differing findings", rows)
         record.figure("calibration", f"{dtype}: models with identical findings", same, unit="models",
-                      baseline=("models compared", total), note="goal: all")
+                      baseline=("models compared", total),
+                      note="goal: all" + (", stopped by the budget" if part.stopped else ""))
+        if part.stopped:
+            return "stopped: budget"
     return "done"

@@ -160,7 +160,8 @@ def test_a_part_that_raises_is_recorded_and_the_next_one_runs(tmp_path, monkeypa
         raise ValueError("no kernel for this")
 
     monkeypatch.setitem(sys.modules, "gpu_day_fake_parts", types.SimpleNamespace(broken=broken, fine=lambda *a: "done"))
-    monkeypatch.setattr(gpu_day, "PARTS", {n: gpu_day.Part("gpu_day_fake_parts", n, 1.0, "") for n in ("broken", "fine")})
+    monkeypatch.setattr(gpu_day, "PARTS", {n: gpu_day.Part("gpu_day_fake_parts", n, 1.0, "")
+                                           for n in ("broken", "fine")})
     assert gpu_day.main(["--out", str(tmp_path)], device=simulated_cuda()) == 0
     parts = _read(tmp_path)["parts"]
     assert parts["broken"]["status"] == "error: ValueError: no kernel for this"
@@ -324,3 +325,33 @@ def test_banned_list_entries_are_compared_and_raise_on_both_sides():
     name, op, module, args, kwargs = banned[0]
     got = run_entry(simulated_cuda(), torch.float16, module, op, args, kwargs)
     assert got and all(v.startswith("raises") for v in got.values())
+
+
+def test_truth_parts_stop_at_their_budget_with_a_partial_figure(tmp_path):
+    from gpu_day_truth import calibration_truth, policy_truth
+
+    clock = FakeClock()
+    part = PartBudget(1, clock)
+    rec = Record(tmp_path, machine={})
+    clock.t = 2                                     # spent before the first model
+    assert calibration_truth(rec, part, simulated_cuda(), {"dtypes": ["bfloat16"]}) == "stopped: budget"
+    fig = _read(tmp_path)["parts"]["calibration"]["figures"][0]
+    assert fig["value"] == 0 and fig["baseline"]["value"] == 0 and "stopped by the budget" in fig["note"]
+    assert policy_truth(rec, part, simulated_cuda(), {"dtypes": ["bfloat16"]}) == "stopped: budget"
+    figures = _read(tmp_path)["parts"]["policy"]["figures"]
+    assert figures[0]["baseline"]["value"] == 0 and "stopped by the budget" in figures[1]["note"]
+
+
+def test_a_model_that_fails_is_a_row_not_the_end_of_the_part(tmp_path, monkeypatch):
+    import gpu_day_truth
+
+    def fails(path, dtype, dev):
+        raise RuntimeError("device-side assert")
+
+    monkeypatch.setattr(gpu_day_truth, "findings_of", fails)
+    rec = Record(tmp_path, machine={})
+    cfg = {"dtypes": ["bfloat16"], "models": 2}
+    assert gpu_day_truth.calibration_truth(rec, PartBudget(60, time.monotonic), simulated_cuda(), cfg) == "done"
+    part = _read(tmp_path)["parts"]["calibration"]
+    assert [r["error"] for r in part["tables"]["differing findings"]] == ["RuntimeError: device-side assert"] * 2
+    assert part["figures"][0]["value"] == 0 and part["figures"][0]["baseline"]["value"] == 2

@@ -6,7 +6,8 @@
     cal.out_dtypes    # per module: the dtype its output really has under the target's autocast
     cal.buffers       # running statistics beyond the dtype's range
 
-There is no GPU here, so every run is on CPU. A CPU target runs under CPU autocast as it is. A CUDA target is
+Calibration runs on the CPU (``device_type="cuda"`` runs it on a GPU's own autocast instead: what
+bench/gpu_day.py compares the simulation with). A CPU target runs under CPU autocast as it is. A CUDA target is
 simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
 in fp32 (softmax, exp, pow, sum, norm, layer_norm, ...) run in fp32 however the model reaches them, so the numbers
 follow CUDA's policy table.
