@@ -70,11 +70,14 @@ def batches(train_data, n: int) -> list:
 
 
 class Loop:
-    """One model copy, its optimizer and (optionally) a watch; ``run(batches)`` returns seconds spent."""
+    """One model copy, its optimizer and (optionally) a watch; ``run(batches)`` returns seconds spent.
+    ``device_type``: the autocast's device (the model and batches already there); ``sync``: called before the
+    clock is read (``torch.cuda.synchronize`` on a GPU, whose work is queued)."""
 
     def __init__(self, name: str, model: torch.nn.Module, make_optimizer, loss_fn, dtype: torch.dtype,
-                 watch_kwargs: dict | None):
+                 watch_kwargs: dict | None, *, device_type: str = "cpu", sync=None):
         self.name, self.model, self.loss_fn, self.dtype = name, model, loss_fn, dtype
+        self.device_type, self.sync = device_type, sync
         self.opt = make_optimizer(model.parameters()) if make_optimizer else torch.optim.AdamW(model.parameters())
         self.watch = watch(model, dtype=dtype, **watch_kwargs) if watch_kwargs is not None else None
         self.step = 0
@@ -87,13 +90,15 @@ class Loop:
         for x, y in chunk:
             if self.watch is not None:
                 self.watch.set_step(self.step)
-            with torch.autocast("cpu", dtype=self.dtype):
+            with torch.autocast(self.device_type, dtype=self.dtype):
                 out = self.model(*x)
             loss = self.loss_fn(out, y)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
             self.step += 1
+        if self.sync is not None:
+            self.sync()
         if timed:
             self.wall += time.perf_counter() - t0
             self.seconds += time.process_time() - c0

@@ -2,6 +2,7 @@
 
     cuda, cpu = autocast_lists()          # AutocastTestLists("cpu"), AutocastCPUTestLists("cpu")
     cuda.torch_fp32                       # [(op name, args[, kwargs]), ...], tensors on the CPU
+    cuda, _ = autocast_lists("cuda")      # the same entries (same seed, same values) on a GPU
 
 Importing the module needs ``expecttest`` (through common_utils, for a TestCase this file never uses), which
 the test extra does not install: only the two list classes are taken from its source and run.
@@ -21,14 +22,14 @@ LIST_CLASSES = ("AutocastTestLists", "AutocastCPUTestLists")
 
 
 @lru_cache(maxsize=None)
-def autocast_lists():
+def autocast_lists(device: str = "cpu"):
     tree = ast.parse(SOURCE.read_text())
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in LIST_CLASSES]
     assert len(classes) == len(LIST_CLASSES), f"{SOURCE} no longer defines {LIST_CLASSES}"
     ns = {"torch": torch, "collections": collections, "TEST_WITH_ROCM": False}
     exec(compile(ast.Module(body=classes, type_ignores=[]), str(SOURCE), "exec"), ns)
     torch.manual_seed(0)
-    return ns["AutocastTestLists"]("cpu"), ns["AutocastCPUTestLists"]("cpu")
+    return ns["AutocastTestLists"](device), ns["AutocastCPUTestLists"](device)
 
 
 def split(entry: tuple) -> tuple[str, tuple, dict]:

@@ -7,7 +7,8 @@
     cal.buffers       # running statistics beyond the dtype's range
     cal.decisions     # per decision op (argmax, topk, x > t, round, ...): the share that differs from FP32
 
-There is no GPU here, so every run is on CPU. A CPU target runs under CPU autocast as it is. A CUDA target is
+Calibration runs on the CPU (``device_type="cuda"`` runs it on a GPU's own autocast instead: what
+bench/gpu_day.py compares the simulation with). A CPU target runs under CPU autocast as it is. A CUDA target is
 simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
 in fp32 (softmax, exp, pow, sum, norm, layer_norm, ...) run in fp32 however the model reaches them, so the numbers
 follow CUDA's policy table.
@@ -60,15 +61,19 @@ def _merge(into: dict, row: dict) -> None:
 
 
 def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
-              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Calibration:
+              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, device_type: str = "cpu") -> Calibration:
     """Measure ``model`` on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)`` under ``policy``
     (see the module docstring). The backward runs too: of ``loss_fn(output, target)`` for batches with a
-    target, else of the sum of the floating outputs (computed in fp32)."""
+    target, else of the sum of the floating outputs (computed in fp32). ``device_type="cuda"`` (model and
+    batches already on the GPU) runs real CUDA autocast instead of the CPU simulation: what the simulation is
+    checked against (bench/gpu_day.py)."""
     from ampaudit.runtime.compare import compare_to_fp32
     from ampaudit.runtime.decision_record import measure_or_note
     from ampaudit.runtime.locate import judge_against_fp32, locate_nonfinite
 
     cal = Calibration(policy=policy, batches=0)
+    # On a real GPU its own autocast applies the policy; on CPU the simulation does.
+    policy_on = (lambda: simulation(policy)) if device_type == "cpu" else contextlib.nullcontext
     model_was_training = model.training
     model.eval()  # calibration measures; it must not move BatchNorm statistics
     try:
@@ -76,8 +81,8 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             args, kwargs = batch[0], batch[1]
             loss = batch_loss(loss_fn, batch[2] if len(batch) > 2 else None)
             cal.batches += 1
-            with simulation(policy), output_dtypes(model, into=cal.out_dtypes):
-                events = locate_nonfinite(model, args, kwargs, device_type="cpu", dtype=policy.low, loss=loss)
+            with policy_on(), output_dtypes(model, into=cal.out_dtypes):
+                events = locate_nonfinite(model, args, kwargs, device_type=device_type, dtype=policy.low, loss=loss)
             # A precision fault is non-finite under autocast and finite in FP32, whatever dtype the op ran in.
             events = judge_against_fp32(model, events, tuple(args), dict(kwargs), loss=loss)
             for ev in events:
@@ -89,8 +94,8 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
                     cal.nonfinite.append(ev)
             if any(ev.get("kind") == "error" for ev in events):
                 continue  # the forward raises under autocast: nothing to compare
-            with simulation(policy):
-                rows = compare_to_fp32(model, args, kwargs, dtype=policy.low, device_type="cpu")
+            with policy_on():
+                rows = compare_to_fp32(model, args, kwargs, dtype=policy.low, device_type=device_type)
             for row in rows:
                 name = row["module"]
                 if name not in cal.modules:
