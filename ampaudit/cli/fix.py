@@ -26,7 +26,7 @@ def fix(
     ignore: Annotated[Optional[list[str]], typer.Option(help="Leave findings of these rules alone (same forms as --select).")] = None,
     pad: Annotated[bool, typer.Option("--pad", help="Also pad misaligned Linear/Embedding/Conv dims with zeros (outputs unchanged).")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the re-check and the before/after autocast comparison.")] = False,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the example inputs under autocast and fix the modules that produce inf/NaN.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model under autocast, on what check --calibrate runs (the first train_data() batch through loss_fn, else example_inputs()), and fix the modules that produce inf/NaN.")] = False,
     diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff that fixes your own source files; change nothing (exit 1 when there is a diff).")] = False,
     write: Annotated[bool, typer.Option("--write", help="Apply that diff to your source files, atomically, once it is verified.")] = False,
     unsafe_fixes: Annotated[bool, typer.Option("--unsafe-fixes", help="With --diff/--write: also make the edits that may change FP32 results (padding a vocabulary).")] = False,
@@ -50,11 +50,15 @@ def fix(
     cfg, device, dtype = _settings(target, device, dtype)  # bad --device/--dtype fail before the model file runs
     check_outdir(output)        # and so does an OUTDIR we must not overwrite
     loaded = load_target(target, entry=entry, inputs=input)
+    from ampaudit.analysis.calibrate import calibration_data
+
+    # The batches and the loss check --calibrate uses (one choice): what check measures is what fix fixes.
+    data = calibration_data(loaded, explicit_inputs=bool(input)) if calibrate else None
     entry_name, _ = _pick_entry(loaded.namespace, entry or (target.partition(":")[2] if loaded.path is None else None) or None,
                                 loaded.display)
     result = run_fix(loaded.model, *loaded.args, device=device, dtype=dtype, select=split_list(select) or cfg.get("select"),
                      ignore=split_list(ignore) or cfg.get("ignore"), pad=pad, verify=not no_verify, calibrate=calibrate,
-                     target=target, **loaded.kwargs)
+                     target=target, data=data, **loaded.kwargs)
     saved_inputs = bool(input) or loaded.hook("example_inputs") is None
     written = write_outdir(result, output, source=loaded, entry=entry_name, saved_inputs=saved_inputs)
     typer.echo(result.report.to_text())

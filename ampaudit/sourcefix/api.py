@@ -127,8 +127,12 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
     rules = load_rules(list(rules_dirs))
     by_id = {r.id: r for r in rules}
     loaded = load_target(target, entry=entry, inputs=list(inputs) if inputs else None)
+    from ampaudit.analysis.calibrate import calibration_data
+
+    # check --calibrate's batches and loss (one choice): the edits fix what check measures.
     settings = {"device": device, "dtype": dtype, "select": select, "ignore": ignore, "rules_dirs": rules_dirs,
-                "target": target, "calibrate": calibrate}
+                "target": target, "calibrate": calibrate,
+                "data": calibration_data(loaded, explicit_inputs=bool(inputs)) if calibrate else None}
     import copy
 
     original = copy.deepcopy(loaded.model)
