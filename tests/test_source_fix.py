@@ -146,7 +146,9 @@ def test_planted_and_samples_write_then_check_clean(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(_flat(out), _flat(ref))), path.name
         else:
             assert path.read_text() == before
-    assert {"mask_fill.py", "mask_fill_crash.py", "char_transformer.py", "lstm_forecaster.py"} <= set(fixed_any)
+    assert {"mask_fill.py", "mask_fill_crash.py", "char_transformer.py"} <= set(fixed_any)
+    # The LSTM runs under CUDA fp16 (the simulation covers this CPU's missing oneDNN kernel): nothing to fix.
+    assert "lstm_forecaster.py" not in fixed_any
 
 
 ODD = '''"""A mask that fp16 cannot hold, in code with comments and odd formatting."""

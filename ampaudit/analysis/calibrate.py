@@ -88,7 +88,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             # A precision fault is non-finite under autocast and finite in FP32, whatever dtype the op ran in.
             events = judge_against_fp32(model, events, tuple(args), dict(kwargs), loss=loss)
             for ev in events:
-                if ev.get("fp32_too"):
+                if ev.get("fp32_too") or _machine_gap(ev, policy):
                     continue
                 key = (ev.get("phase"), ev.get("module"), ev.get("op"), ev.get("source"), ev.get("kind"))
                 if key not in {(e.get("phase"), e.get("module"), e.get("op"), e.get("source"), e.get("kind"))
@@ -119,6 +119,19 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             if value > limit:
                 cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
+
+
+def _machine_gap(ev: dict, policy: Policy) -> bool:
+    """True (and a note) when ``ev`` is an op raising because this machine has no kernel for the low dtype
+    (:func:`~ampaudit.machine.kernels.kernel_gap`): a fact about this CPU, not a finding about the target."""
+    from ampaudit.machine.kernels import kernel_gap
+    from ampaudit.notes import note
+
+    gap = kernel_gap(ev.get("message"), policy.low) if ev.get("kind") == "error" else None
+    if gap is None:
+        return False
+    note(gap.sentence(policy.device, stops_at=ev.get("module") or ""))
+    return True
 
 
 _HOLDS_FP32 = (torch.float32, torch.float64)

@@ -328,6 +328,7 @@ class Trainer(TrainerState):
                 output = model(*args, **kwargs)
                 loss = self._loss_fn(output, target)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            self._kernel_gap(exc)
             raise TrainError(f"forward or loss_fn failed at step {self.step + 1}: {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:240]}",
                              hint="check that train_data() yields what forward() and loss_fn() take "
@@ -339,6 +340,19 @@ class Trainer(TrainerState):
         loss = loss.float() / self.accum
         self.scaler.scale(loss).backward()
         return loss.detach()
+
+    def _kernel_gap(self, exc: BaseException) -> None:
+        """A TrainError naming this CPU's missing kernel (not the user's data or loss) when that is what ``exc``
+        is: oneDNN's fp16 LSTM on many CPUs (:mod:`ampaudit.machine.kernels`)."""
+        from ampaudit.machine.kernels import kernel_gap
+
+        gap = kernel_gap(exc, self.dtype) if self._autocast and self.device.type == "cpu" else None
+        if gap is None:
+            return
+        other = "bfloat16" if gap.dtype == "float16" else "float32"
+        raise TrainError(f"{gap.sentence()}, so {gap.dtype} autocast cannot run this model on this machine "
+                         f"(step {self.step + 1}: {' '.join(str(exc).split())[:160]})",
+                         hint=f"train with --dtype {other} here (train_data() and loss_fn are not at fault)") from exc
 
     def _optimizer_step(self, step: int, scale: float | None) -> tuple[bool, float | None, bool]:
         if self.masters is not None:
