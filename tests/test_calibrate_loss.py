@@ -115,10 +115,8 @@ def test_a_failing_train_data_falls_back_and_says_why(tmp_path):
     assert any(n.startswith("train_data() raised FileNotFoundError: data/train.bin") for n in doc["notes"])
 
 
-def test_fix_calibrate_and_check_calibrate_pick_the_same_batches():
-    """fix --calibrate (graph rewrite and --diff/--write) and check --calibrate call calibration_data: the
-    same inputs and the same loss, so a file fix calls clean is one check calls clean."""
-    import ampaudit.sourcefix.api as sourcefix_api
+def _batches_seen(*runs):
+    """What calibration_data gave each of ``runs`` (callables): origin, input shapes, whether a loss_fn."""
     from ampaudit.analysis import calibrate as cal_mod
 
     seen = []
@@ -132,12 +130,36 @@ def test_fix_calibrate_and_check_calibrate_pick_the_same_batches():
     mp = pytest.MonkeyPatch()
     mp.setattr(cal_mod, "calibration_data", spy)
     try:
-        runner.invoke(app, ["check", str(GPT), "--calibrate", "-f", "json", "--fail-on", "never",
-                            "--select", "AMP6"])
-        sourcefix_api.fix_source(str(GPT), calibrate=True, select=["AMP6"], verify=False)
+        for run in runs:
+            run()
     finally:
         mp.undo()
-    assert len(seen) == 2 and seen[0] == seen[1] == ("train_data()", [(2, 8)], True)
+    return seen
+
+
+def _check():
+    result = runner.invoke(app, ["check", str(GPT), "--calibrate", "-f", "json", "--fail-on", "never",
+                                 "--select", "AMP6"])
+    assert result.exit_code == 0, result.output
+
+
+def test_fix_diff_calibrate_and_check_calibrate_pick_the_same_batches():
+    """fix --diff/--write --calibrate and check --calibrate call calibration_data: the same inputs and the same
+    loss, so a file fix calls clean is one check calls clean."""
+    import ampaudit.sourcefix.api as sourcefix_api
+
+    seen = _batches_seen(_check, lambda: sourcefix_api.fix_source(str(GPT), calibrate=True, select=["AMP6"],
+                                                                   verify=False))
+    assert seen == [("train_data()", [(2, 8)], True)] * 2
+
+
+@pytest.mark.slow
+def test_graph_fix_calibrate_picks_the_same_batches(tmp_path):
+    def graph_fix():
+        result = runner.invoke(app, ["fix", str(GPT), "-o", str(tmp_path / "out"), "--calibrate", "--select", "AMP6"])
+        assert result.exit_code == 0, result.output
+
+    assert _batches_seen(_check, graph_fix) == [("train_data()", [(2, 8)], True)] * 2
 
 
 @pytest.mark.slow
