@@ -114,10 +114,10 @@ def _copies(tmp_path: Path) -> list[Path]:
     out = []
     if SHARED.is_dir():
         for p in sorted(SHARED.glob("*.py")):
-            shutil.copy(p, tmp_path / p.name)
+            shutil.copyfile(p, tmp_path / p.name)    # content only: the shared copies may be read-only
             out.append(tmp_path / p.name)
     samples = tmp_path / "samples"
-    shutil.copytree(HERE.parent / "samples", samples)
+    shutil.copytree(HERE.parent / "samples", samples, copy_function=shutil.copyfile)
     return out + sorted(samples.glob("*.py"))
 
 

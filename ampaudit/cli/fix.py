@@ -28,16 +28,19 @@ def fix(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the re-check and the before/after autocast comparison.")] = False,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model under autocast, on what check --calibrate runs (the first train_data() batch through loss_fn, else example_inputs()), and fix the modules that produce inf/NaN.")] = False,
     diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff that fixes your own source files; change nothing (exit 1 when there is a diff).")] = False,
-    write: Annotated[bool, typer.Option("--write", help="Apply that diff to your source files, atomically, once it is verified.")] = False,
+    write: Annotated[bool, typer.Option("--write", help="Apply that diff to your source files, atomically, once it is verified; each keeps its mode, and a read-only file is refused (see --force).")] = False,
     unsafe_fixes: Annotated[bool, typer.Option("--unsafe-fixes", help="With --diff/--write: also make the edits that may change FP32 results (padding a vocabulary).")] = False,
     format: Annotated[str, typer.Option("--format", "-f", help="With --diff/--write: the summary as text or json.")] = "text",
+    force: Annotated[bool, typer.Option("--force", help="With --write: also write files without write permission (each keeps its mode).")] = False,
 ) -> None:
     """Rewrite a model so it runs safely under autocast: FP32 islands around flagged ops, verified; or fix your
     own source with --diff / --write."""
+    if force and not write:
+        raise UsageError("--force applies to --write", hint="add --write")
     if diff or write:
         return _fix_source(target, entry=entry, input=input, device=device, dtype=dtype, select=select,
                            ignore=ignore, calibrate=calibrate, no_verify=no_verify, diff=diff, write=write,
-                           unsafe=unsafe_fixes, fmt=format, output=output, pad=pad)
+                           unsafe=unsafe_fixes, fmt=format, output=output, pad=pad, force=force)
     if output is None:
         raise UsageError("fix needs --output DIR (a rewritten model.py) or --diff/--write (your own source fixed)",
                          hint="e.g. ampaudit fix model.py --diff")
@@ -79,7 +82,7 @@ def _settings(target: str, device: str | None, dtype: str | None) -> tuple[dict,
 
 
 def _fix_source(target: str, *, entry, input, device, dtype, select, ignore, calibrate, no_verify, diff, write,
-                unsafe, fmt, output, pad) -> None:
+                unsafe, fmt, output, pad, force=False) -> None:
     """--diff / --write: plan, verify, print the diff or write the files, print the summary."""
     import json
 
@@ -98,7 +101,7 @@ def _fix_source(target: str, *, entry, input, device, dtype, select, ignore, cal
                         rules_dirs=cfg.get("rules", []), calibrate=calibrate, unsafe=unsafe, verify=not no_verify)
     verified = result.verified
     if write and result.changed and verified:
-        result.write()
+        result.write(force=force)
     if fmt == "json":
         data = result.to_dict()
         if diff:

@@ -54,14 +54,21 @@ class SourceFixResult:
                                         fromfile=f"a/{rel.lstrip('/')}", tofile=f"b/{rel.lstrip('/')}")
         return "".join(out)
 
-    def write(self) -> list[str]:
-        """Write the changed files atomically; refuse when verification failed or a file changed meanwhile."""
+    def write(self, *, force: bool = False) -> list[str]:
+        """Write the changed files atomically, each keeping its mode (and owner where it can); refuse when a file
+        changed meanwhile, or (unless ``force``) is read-only: nothing is written then."""
+        import stat
+
         from ampaudit.errors import UsageError
-        from ampaudit.fileio import atomic_write_text
+        from ampaudit.fileio import atomic_write_text, read_only
 
         for path in self.changed:
             if Path(path).read_text(encoding="utf-8") != self.plan.originals[path]:
                 raise UsageError(f"{path} changed while fix ran; nothing written", hint="run ampaudit fix again")
+            if not force and read_only(path):
+                mode = stat.S_IMODE(Path(path).stat().st_mode)
+                raise UsageError(f"{path} is read-only (mode {mode:o}); nothing written",
+                                 hint="make it writable (chmod u+w), or pass --force to write it keeping its mode")
         for path, text in self.changed.items():
             atomic_write_text(path, text, hint="make the model file writable")
             self.written.append(path)
