@@ -146,3 +146,16 @@ def test_the_policy_table_test_skips_on_a_cpu_without_the_kernel(monkeypatch):
     monkeypatch.setenv(FORCE_ENV, "1")      # what the probe says on such a CPU
     with no_fp16_lstm(), pytest.raises(pytest.skip.Exception, match="oneDNN has no fp16 LSTM kernel"):
         test_propagated_dtypes_match_real_cpu_autocast(LSTM, "float16")
+
+
+def test_evaluation_blames_the_machine_not_the_data():
+    from ampaudit.errors import TrainError
+    from ampaudit.train.evaluate import Evaluator
+
+    sample = load_module(LSTM)
+    evaluator = Evaluator(lambda: iter([next(iter(sample.train_data()))]), sample.loss_fn, every=1,
+                          dtype=torch.float16, device=torch.device("cpu"))
+    with no_fp16_lstm(), pytest.raises(TrainError) as info:
+        evaluator.run(sample.build_model(), 1)
+    assert str(info.value.message).startswith("this CPU's oneDNN has no float16 LSTM kernel, so float16 autocast")
+    assert "eval batch 0" in info.value.message and info.value.hint == "train with --dtype bfloat16 here"

@@ -84,6 +84,22 @@ def kernel_gap(error: BaseException | str | None, dtype: torch.dtype | str | Non
     return None
 
 
+def run_gap(error: BaseException, device_type: str, dtype: torch.dtype | None) -> tuple[str, str] | None:
+    """For a run on this machine (a training step, an evaluation) under ``dtype`` autocast on ``device_type``
+    (None: no autocast): ``(what to say, what to do)`` when ``error`` is a kernel this CPU lacks, else None.
+
+        say, do = run_gap(exc, "cpu", torch.float16)
+        # "this CPU's oneDNN has no float16 LSTM kernel, so float16 autocast cannot run this model on this
+        # machine", "train with --dtype bfloat16 here"
+    """
+    gap = kernel_gap(error, dtype) if device_type == "cpu" and dtype in (torch.float16, torch.bfloat16) else None
+    if gap is None:
+        return None
+    other = "bfloat16" if gap.dtype == "float16" else "float32"
+    return (f"{gap.sentence()}, so {gap.dtype} autocast cannot run this model on this machine",
+            f"train with --dtype {other} here")
+
+
 def _lstm(grad: bool) -> None:
     # oneDNN may build the inference primitive where it cannot build the training one: both are probed.
     out = torch.nn.LSTM(3, 8, batch_first=True)(torch.randn(2, 4, 3))[0]

@@ -344,15 +344,12 @@ class Trainer(TrainerState):
     def _kernel_gap(self, exc: BaseException) -> None:
         """A TrainError naming this CPU's missing kernel (not the user's data or loss) when that is what ``exc``
         is: oneDNN's fp16 LSTM on many CPUs (:mod:`ampaudit.machine.kernels`)."""
-        from ampaudit.machine.kernels import kernel_gap
+        from ampaudit.machine.kernels import run_gap
 
-        gap = kernel_gap(exc, self.dtype) if self._autocast and self.device.type == "cpu" else None
-        if gap is None:
-            return
-        other = "bfloat16" if gap.dtype == "float16" else "float32"
-        raise TrainError(f"{gap.sentence()}, so {gap.dtype} autocast cannot run this model on this machine "
-                         f"(step {self.step + 1}: {' '.join(str(exc).split())[:160]})",
-                         hint=f"train with --dtype {other} here (train_data() and loss_fn are not at fault)") from exc
+        gap = run_gap(exc, self.device.type, self.dtype if self._autocast else None)
+        if gap is not None:
+            raise TrainError(f"{gap[0]} (step {self.step + 1}: {' '.join(str(exc).split())[:160]})",
+                             hint=f"{gap[1]} (train_data() and loss_fn are not at fault)") from exc
 
     def _optimizer_step(self, step: int, scale: float | None) -> tuple[bool, float | None, bool]:
         if self.masters is not None:
