@@ -143,6 +143,27 @@ def _check():
     assert result.exit_code == 0, result.output
 
 
+def test_a_train_data_that_does_not_fit_forward_is_an_input_error(tmp_path):
+    """Its FP32 forward raises too: no AMP602 (an autocast fault), but one line naming the batch."""
+    path = tmp_path / "bad_shape.py"
+    path.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        def build_model():
+            return nn.Linear(8, 8)
+        def example_inputs():
+            return (torch.randn(4, 8),)
+        def train_data():
+            while True:
+                yield torch.randn(4, 5), torch.randn(4, 8)
+        def loss_fn(out, target):
+            return ((out.float() - target) ** 2).mean()
+    """))
+    result = runner.invoke(app, ["check", str(path), "--calibrate", "--device", "cpu", "--dtype", "bfloat16"])
+    assert result.exit_code == 2, result.output
+    assert "the FP32 forward of Linear raises on train_data() batch 1: RuntimeError: mat1 and mat2" in result.output
+    assert "make train_data() yield what forward() takes" in result.output and "AMP602" not in result.output
+
+
 def test_fix_diff_calibrate_and_check_calibrate_pick_the_same_batches():
     """fix --diff/--write --calibrate and check --calibrate call calibration_data: the same inputs and the same
     loss, so a file fix calls clean is one check calls clean."""

@@ -95,7 +95,8 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
                                for e in cal.nonfinite}:
                     cal.nonfinite.append(ev)
             if any(ev.get("kind") == "error" for ev in events):
-                continue  # the forward raises under autocast: nothing to compare
+                _require_fp32_forward(model, args, kwargs, f"{origin} batch {cal.batches}")
+                continue  # the forward raises under autocast only: nothing to compare
             with simulation(policy):
                 rows = compare_to_fp32(model, args, kwargs, dtype=policy.low, device_type="cpu")
             for row in rows:
@@ -119,6 +120,23 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             if value > limit:
                 cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
+
+
+def _require_fp32_forward(model: nn.Module, args, kwargs, where: str) -> None:
+    """An InputError when the FP32 forward raises on this batch too: the batch does not fit the model (a
+    train_data() of the wrong shape), which is no autocast fault to report."""
+    from ampaudit.errors import InputError
+    from ampaudit.runtime.locate import preserved
+
+    try:
+        with torch.no_grad(), preserved(unwrap(model), None):
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's model on the user's data
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"the FP32 forward of {type(unwrap(model)).__name__} raises on {where}: "
+                         f"{type(exc).__name__}: {first}",
+                         hint="make train_data() yield what forward() takes (--calibrate runs the model on it)"
+                         if "train_data" in where else "make the inputs fit forward()") from exc
 
 
 def _machine_gap(ev: dict, policy: Policy) -> bool:
