@@ -45,18 +45,20 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, batch: int | None = None, **kwargs) -> Report:
+          loss_fn=None, batch: int | None = None, data=None, **kwargs) -> Report:
     """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target.
 
     ``calibrate=True`` also runs the model (on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``,
     else the example inputs) in FP32 and under the target's autocast, forward and backward (of
-    ``loss_fn(output, target)`` where a batch has a target, else of the sum of the outputs), adding measured
-    ``range``, ``nonfinite`` and ``divergence`` findings. ``batch``: the per-rank micro-batch the model will be
-    trained with, which the BatchNorm rule (AMP304) judges.
+    ``loss_fn(output, target)`` where a batch has a target, else of the mean of the outputs), adding measured
+    ``range``, ``nonfinite`` and ``divergence`` findings; the report's notes and ``calibration`` say which loss
+    ran. ``data``: a :class:`~ampaudit.analysis.calibrate.CalibrationData` (``calibration_data(loaded)``, what
+    the CLI passes) instead of ``batches`` and ``loss_fn``. ``batch``: the per-rank micro-batch the model will
+    be trained with, which the BatchNorm rule (AMP304) judges.
     """
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
                  target=target, base_dir=base_dir, capture_mode=capture_mode, calibrate=calibrate,
-                 batches=batches, loss_fn=loss_fn, batch=batch, **kwargs).report
+                 batches=batches, loss_fn=loss_fn, batch=batch, data=data, **kwargs).report
 
 
 _CAPTURE_NAMES = {"fx": "torch.fx", "export": "torch.export", "dispatch": "dispatch-level recording"}
@@ -75,7 +77,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, batch: int | None = None, **kwargs) -> Audit:
+          loss_fn=None, batch: int | None = None, data=None, **kwargs) -> Audit:
     """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
@@ -102,7 +104,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     if calibrate:
         # What a statistic or the simulation had to skip is said in the report, not raised.
         with collect() as skipped, quiet():
-            ctx.calibration = _calibrate(model, batches or [(args, kwargs)], policy, loss_fn)
+            data = data or _data(args, kwargs, batches, loss_fn)
+            ctx.calibration = _calibrate(model, data, policy)
     findings, suppressed = run_rules(ctx, active)
     if base_dir is not None:
         for f in findings:
@@ -112,7 +115,12 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     if ctx.calibration is not None:
         sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
         report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}")
+        report.notes.append(f"backward: {ctx.calibration.backward}")
+        if data.note:
+            report.notes.append(data.note)
         report.notes.extend(skipped)
+        report.calibration = {"batches": ctx.calibration.batches, "origin": data.origin,
+                              "backward": ctx.calibration.backward}
     report.notes.extend(_capture_note(cap.mode, note) for note in cap.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
@@ -121,13 +129,21 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     return Audit(capture=cap, policy=policy, report=report)
 
 
-def _calibrate(model: nn.Module, batches: list, policy: Policy, loss_fn=None):
+def _data(args: tuple, kwargs: dict, batches: list | None, loss_fn):
+    from ampaudit.analysis.calibrate import CalibrationData
+
+    if batches:
+        return CalibrationData(list(batches), loss_fn, "the given batches")
+    return CalibrationData([(args, kwargs)], loss_fn, "the example inputs")
+
+
+def _calibrate(model: nn.Module, data, policy: Policy):
     from ampaudit.analysis.calibrate import calibrate
 
     if any(t.is_meta for t in model.parameters()):
         raise UsageError("--calibrate runs the model, but its weights are on the meta device",
                          hint="build the model with real weights, or drop --calibrate for the static audit")
-    return calibrate(model, batches, policy, loss_fn=loss_fn)
+    return calibrate(model, data.batches, policy, loss_fn=data.loss_fn, origin=data.origin)
 
 
 def _require_tensor_output(cap: Capture) -> None:

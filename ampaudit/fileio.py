@@ -3,12 +3,17 @@
     atomic_write_text("report.sarif", text)
     atomic_write_bytes(path, data, hint="choose a writable path for --html")
     atomic_write(path, lambda fh: torch.save(state, fh), error=TrainError)     # streaming, for checkpoints
+    read_only(path)          # True for a file nobody may write (444) or this user may not: fix --write refuses it
 
-The one writer of every file ampaudit leaves behind: checkpoints, traces' summaries, reports, fix outputs.
+The one writer of every file ampaudit leaves behind: checkpoints, traces' summaries, reports, fix outputs. A file
+that is replaced keeps its permission bits (a 755 script stays executable, a 444 file read-only) and, where this
+user may set them, its owner and group; a new file gets the mode any new file would. A symlink is written through:
+the file it points to is replaced, the link stays.
 """
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -36,6 +41,31 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _take_mode(tmp: str, before: os.stat_result | None) -> None:
+    # mkstemp files are private (0600): a replaced file's mode (and owner, where allowed) carries over; a new
+    # file gets the mode any new file would.
+    if before is None:
+        os.chmod(tmp, 0o666 & ~_umask())
+        return
+    os.chmod(tmp, stat.S_IMODE(before.st_mode))
+    if hasattr(os, "chown"):
+        try:
+            os.chown(tmp, before.st_uid, before.st_gid)
+        except OSError:
+            pass        # another user's file: only root may give it back; the mode is kept all the same
+
+
+def read_only(path: str | os.PathLike) -> bool:
+    """True when ``path`` is an existing file that no one may write (no write bit: 444, even for root) or that
+    this user may not."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return False
+    return not (mode & 0o222) or not os.access(p, os.W_OK)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any], *, hint: str = "choose a writable path",
                  error: type[AmpAuditError] = UsageError) -> Path:
     """Call ``write(file_object)`` on a temp file beside ``path``, fsync it, rename it over ``path``, fsync the
@@ -48,14 +78,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any], *, h
     target = Path(path)
     tmp = None
     try:
+        if target.is_symlink():
+            target = target.resolve()
+        before = target.stat() if target.is_file() else None
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        # mkstemp files are private (0600); the result gets the mode any new file would.
-        os.chmod(tmp, 0o666 & ~_umask())
+        _take_mode(tmp, before)
         os.replace(tmp, target)
         tmp = None
         _fsync_dir(target.parent)

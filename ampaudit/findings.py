@@ -73,6 +73,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     suppressed: int = 0
     nodes: int = 0
+    calibration: dict | None = None      # with --calibrate: batches, origin, backward (what was differentiated)
 
     def worst(self) -> str | None:
         if not self.findings:
@@ -97,4 +98,5 @@ class Report:
         # Every finding, each with the id of its group (the rows of the terminal table).
         findings = [{**f.as_dict(), "group": g} for f, g in zip(self.findings, group_ids(self.findings))]
         return {"version": REPORT_VERSION, "target": self.target, "capture": self.capture, "policy": self.policy,
-                "findings": findings, "summary": self.summary(), "notes": self.notes}
+                "findings": findings, "summary": self.summary(), "notes": self.notes,
+                **({"calibration": self.calibration} if self.calibration is not None else {})}

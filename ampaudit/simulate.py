@@ -21,10 +21,12 @@ types its graph with, through the aliases of rules/policy/ops.toml. An op CPU au
 aten/src/ATen/autocast_mode.h: only floating tensors other than float64 are cast; fp32_output sets an unset
 ``dtype`` argument to float32 (norm, which has none, gets its input upcast: the same numbers).
 
-CPU lacks a few float16 kernels that CUDA has. Under the simulation such an op is computed in fp32 and rounded to
-the low dtype, and a note says which op (:func:`ampaudit.notes.note`, and ``sim.notes``). A CPU target uses none
-of this: there a missing kernel is a real failure. The registrations are process-wide while active: do not run
-other CPU-autocast work on another thread meanwhile.
+CPU lacks a few float16 kernels that CUDA has (torch's "not implemented for 'Half'", oneDNN's "could not create
+a primitive descriptor" for nn.LSTM: :mod:`ampaudit.machine.kernels`). Under the simulation such an op is computed
+in fp32 and rounded to the low dtype, and a note says which op (:func:`ampaudit.notes.note`, and ``sim.notes``).
+A CPU target uses none of this: there the forward stops at the op, and calibration notes that this machine lacks
+the kernel (another CPU may have it). The registrations are process-wide while active: do not run other
+CPU-autocast work on another thread meanwhile.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from ampaudit.machine.kernels import kernel_gap
 from ampaudit.notes import note
 from ampaudit.policy import Policy, op_names
 from ampaudit.quiet import quiet
@@ -152,9 +155,14 @@ class _EmulateLowKernels(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
-            missing = _NO_LOW_KERNEL.search(str(exc))
-            if missing is None:
+            low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                        and t.dtype in _LOW), None)
+            missing, gap = _NO_LOW_KERNEL.search(str(exc)), kernel_gap(exc, low)
+            if gap is None or (missing is None and low is None):
                 raise
+        # "Half" as torch words it; oneDNN names no dtype (nn.LSTM's mkldnn_rnn_layer): the inputs' is meant.
+        lacks = (f"CPU has no {missing.group(1)} kernel" if missing
+                 else f"this CPU's {gap.library} has no {gap.dtype} kernel")
         want = _output_dtypes(func, args, kwargs)
         originals: dict[int, torch.Tensor] = {}
 
@@ -187,8 +195,8 @@ class _EmulateLowKernels(TorchDispatchMode):
                 flat[i] = t.to(want[i])            # float16, or complex32 (polar)
             elif not want and t.dtype == torch.float32 and low in _LOW:
                 flat[i] = t.to(low)
-        message = (f"CUDA simulation: CPU has no {missing.group(1)} kernel for {func.overloadpacket}; it ran in "
-                   f"float32, rounded to {str(low).replace('torch.', '')}")
+        message = (f"CUDA simulation: {lacks} for {func.overloadpacket}; it ran in float32, rounded to "
+                   f"{str(low).replace('torch.', '')}")
         if message not in self.notes:
             self.notes.append(message)
         note(message)

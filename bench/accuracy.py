@@ -156,7 +156,7 @@ def run_planted() -> list[dict]:
         try:
             rep = ampaudit.check(model, *args, **target, **kwargs)
             row["static"] = located(rep, culprit, expect.get("families"))
-            # Backward too: of the sum of the outputs (example inputs carry no target for the file's loss_fn).
+            # Backward too: of the mean of the outputs (example inputs carry no target for the file's loss_fn).
             rep = ampaudit.check(model, *args, **target, calibrate=True, **kwargs)
             row["calibrate"] = located(rep, culprit, None)
         except Exception as exc:  # noqa: BLE001 - a crash is a miss, reported with its reason

@@ -82,3 +82,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def cpu_fp16_gap(module, *, grad: bool) -> str | None:
+    """Why ``module`` (a model file declaring ``EXPECT["cpu_fp16_unsupported"]``) cannot run under float16 CPU
+    autocast on this CPU, with gradients or without (``grad``): the declaration and what the probe of
+    ampaudit.machine.kernels says (AMPAUDIT_FORCE_NO_FP16_KERNELS forces it); None when it can, or declares
+    nothing. Tests skip with this reason."""
+    from ampaudit.machine.kernels import PROBES, fp16_kernel_missing
+
+    declared = getattr(module, "EXPECT", {}).get("cpu_fp16_unsupported")
+    missing = [why for name in PROBES if (why := fp16_kernel_missing(name, grad=grad))] if declared else []
+    return f"{declared}: {missing[0]}" if missing else None

@@ -12,7 +12,7 @@ class Tiny(nn.Module):
     """Scales to ~1e-8: fp16 flushes it to 0 (and the next op sees 0), FP32 keeps it."""
 
     def forward(self, x):
-        return x * 1e-4
+        return x * 1e-8
 
 
 class LogFp32(nn.Module):

@@ -10,7 +10,7 @@ from ampaudit.analysis import AMP_KEY, AmpProp
 from ampaudit.capture import capture
 from ampaudit.policy import Policy
 
-from conftest import PLANTED, SAMPLES, load_module
+from conftest import PLANTED, SAMPLES, cpu_fp16_gap, load_module
 
 # op name in the tables -> how to call it on a [4, 8, 8, 8] tensor
 OPS = {
@@ -95,6 +95,9 @@ def _models():
 def test_propagated_dtypes_match_real_cpu_autocast(path, dtype):
     """Every node's predicted autocast dtype equals what CPU autocast really produces."""
     m = load_module(path)
+    gap = cpu_fp16_gap(m, grad=False) if dtype == "float16" else None
+    if gap:
+        pytest.skip(gap)     # this CPU cannot run the model under fp16 autocast: nothing real to compare with
     model = m.build_model().eval()
     args = m.example_inputs()
     args = args if isinstance(args, tuple) else (args,)

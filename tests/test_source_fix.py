@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ampaudit.analysis.calibrate import calibration_data
 from ampaudit.api import check
 from ampaudit.loading import load_target
 from ampaudit.sourcefix import fix_source
@@ -64,7 +65,8 @@ def test_fixture_before_becomes_after(rule, tmp_path):
     # The after file checks clean for the rule...
     loaded = load_target(str(after))
     report = check(loaded.model, *loaded.args, device=s["device"], dtype=s["dtype"], select=[rule],
-                   calibrate=s["calibrate"], loss_fn=loaded.hook("loss_fn"), **loaded.kwargs)
+                   calibrate=s["calibrate"], data=calibration_data(loaded) if s["calibrate"] else None,
+                   **loaded.kwargs)
     # (info findings too: select names the rule, so fix acted on its infos)
     assert not [f for f in report.findings if f.rule == rule and wanted(f, {}, {rule})], \
         [f.message for f in report.findings]
@@ -114,10 +116,10 @@ def _copies(tmp_path: Path) -> list[Path]:
     out = []
     if SHARED.is_dir():
         for p in sorted(SHARED.glob("*.py")):
-            shutil.copy(p, tmp_path / p.name)
+            shutil.copyfile(p, tmp_path / p.name)    # content only: the shared copies may be read-only
             out.append(tmp_path / p.name)
     samples = tmp_path / "samples"
-    shutil.copytree(HERE.parent / "samples", samples)
+    shutil.copytree(HERE.parent / "samples", samples, copy_function=shutil.copyfile)
     return out + sorted(samples.glob("*.py"))
 
 
@@ -139,14 +141,16 @@ def test_planted_and_samples_write_then_check_clean(tmp_path):
             rules = {e.rule for e in result.plan.edits}
             loaded = load_target(str(path))
             report = check(loaded.model, *loaded.args, device="cuda", dtype="float16", calibrate=True,
-                           loss_fn=loaded.hook("loss_fn"), **loaded.kwargs)
+                           data=calibration_data(loaded), **loaded.kwargs)     # as check --calibrate
             left = [f for f in report.findings if f.rule in rules and f.severity != "info"]
             assert not left, f"{path.name}: {[f.message for f in left]}"
             out, _ = _fp32_out(path, state)
             assert all(torch.equal(a, b) for a, b in zip(_flat(out), _flat(ref))), path.name
         else:
             assert path.read_text() == before
-    assert {"mask_fill.py", "mask_fill_crash.py", "char_transformer.py", "lstm_forecaster.py"} <= set(fixed_any)
+    assert {"mask_fill.py", "mask_fill_crash.py", "char_transformer.py"} <= set(fixed_any)
+    # The LSTM runs under CUDA fp16 (the simulation covers this CPU's missing oneDNN kernel): nothing to fix.
+    assert "lstm_forecaster.py" not in fixed_any
 
 
 ODD = '''"""A mask that fp16 cannot hold, in code with comments and odd formatting."""

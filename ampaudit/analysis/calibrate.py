@@ -16,6 +16,12 @@ follow CUDA's policy table.
 A module's range (overflow, headroom, underflow) is judged against the dtype its output is really stored in under
 the target's autocast, recorded in the autocast run: a module that leaves autocast (an fp32 island, an op the
 policy keeps in fp32) returns fp32 values, which lose nothing to the low dtype's range.
+
+The backward differentiates what training would: the model file's ``loss_fn(output, target)`` on
+``train_data()`` batches (:func:`calibration_data` picks them, for ``check`` and ``fix`` alike); without a loss, the
+mean of the outputs, whose gradient (1/numel per element) is a mean loss's size. A sum's gradient of 1 per element,
+summed over a 50257-wide head and every token, overflows fp16 where training does not. ``cal.backward`` says which
+ran.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class Calibration:
     order: list[str] = field(default_factory=list)   # modules in execution order
     out_dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # narrowest floating output, under autocast
     decisions: list[dict] = field(default_factory=list)   # ampaudit.runtime.decision_record rows, summed over batches
+    backward: str = ""     # what the backward differentiated, for the report (backward_label)
 
 
 def _merge(into: dict, row: dict) -> None:
@@ -61,17 +68,20 @@ def _merge(into: dict, row: dict) -> None:
 
 
 def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
-              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, device_type: str = "cpu") -> Calibration:
+              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+              origin: str = "the given batches", device_type: str = "cpu") -> Calibration:
     """Measure ``model`` on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)`` under ``policy``
     (see the module docstring). The backward runs too: of ``loss_fn(output, target)`` for batches with a
-    target, else of the sum of the floating outputs (computed in fp32). ``device_type="cuda"`` (model and
-    batches already on the GPU) runs real CUDA autocast instead of the CPU simulation: what the simulation is
-    checked against (bench/gpu_day.py)."""
+    target, else of the mean of the floating outputs (computed in fp32). ``origin`` names where the batches
+    came from in ``cal.backward`` ("train_data()"). ``device_type="cuda"`` (model and batches already on the GPU)
+    runs real CUDA autocast instead of the CPU simulation: what the simulation is checked against
+    (bench/gpu_day.py)."""
     from ampaudit.runtime.compare import compare_to_fp32
     from ampaudit.runtime.decision_record import measure_or_note
     from ampaudit.runtime.locate import judge_against_fp32, locate_nonfinite
 
-    cal = Calibration(policy=policy, batches=0)
+    batches = list(batches)
+    cal = Calibration(policy=policy, batches=0, backward=backward_label(loss_fn, batches, origin))
     # On a real GPU its own autocast applies the policy; on CPU the simulation does.
     policy_on = (lambda: simulation(policy)) if device_type == "cpu" else contextlib.nullcontext
     model_was_training = model.training
@@ -86,14 +96,15 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             # A precision fault is non-finite under autocast and finite in FP32, whatever dtype the op ran in.
             events = judge_against_fp32(model, events, tuple(args), dict(kwargs), loss=loss)
             for ev in events:
-                if ev.get("fp32_too"):
+                if ev.get("fp32_too") or _machine_gap(ev, policy):
                     continue
                 key = (ev.get("phase"), ev.get("module"), ev.get("op"), ev.get("source"), ev.get("kind"))
                 if key not in {(e.get("phase"), e.get("module"), e.get("op"), e.get("source"), e.get("kind"))
                                for e in cal.nonfinite}:
                     cal.nonfinite.append(ev)
             if any(ev.get("kind") == "error" for ev in events):
-                continue  # the forward raises under autocast: nothing to compare
+                _require_fp32_forward(model, args, kwargs, f"{origin} batch {cal.batches}")
+                continue  # the forward raises under autocast only: nothing to compare
             with policy_on():
                 rows = compare_to_fp32(model, args, kwargs, dtype=policy.low, device_type=device_type)
             for row in rows:
@@ -102,8 +113,8 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
                     cal.order.append(name)
                     cal.modules[name] = {}
                 _merge(cal.modules[name], row)
-            with simulation(policy):
-                merge_decisions(cal.decisions, measure_or_note(model, args, kwargs, device_type="cpu",
+            with policy_on():
+                merge_decisions(cal.decisions, measure_or_note(model, args, kwargs, device_type=device_type,
                                                                dtype=policy.low))
     finally:
         model.train(model_was_training)
@@ -135,6 +146,36 @@ def merge_decisions(into: list[dict], rows: list[dict]) -> None:
             seen[key] += row[key]
         seen["used"] = seen["used"] or row["used"]
         seen["share_flipped"] = seen["flipped"] / seen["decisions"] if seen["decisions"] else 0.0
+
+
+def _require_fp32_forward(model: nn.Module, args, kwargs, where: str) -> None:
+    """An InputError when the FP32 forward raises on this batch too: the batch does not fit the model (a
+    train_data() of the wrong shape), which is no autocast fault to report."""
+    from ampaudit.errors import InputError
+    from ampaudit.runtime.locate import preserved
+
+    try:
+        with torch.no_grad(), preserved(unwrap(model), None):
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's model on the user's data
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"the FP32 forward of {type(unwrap(model)).__name__} raises on {where}: "
+                         f"{type(exc).__name__}: {first}",
+                         hint="make train_data() yield what forward() takes (--calibrate runs the model on it)"
+                         if "train_data" in where else "make the inputs fit forward()") from exc
+
+
+def _machine_gap(ev: dict, policy: Policy) -> bool:
+    """True (and a note) when ``ev`` is an op raising because this machine has no kernel for the low dtype
+    (:func:`~ampaudit.machine.kernels.kernel_gap`): a fact about this CPU, not a finding about the target."""
+    from ampaudit.machine.kernels import kernel_gap
+    from ampaudit.notes import note
+
+    gap = kernel_gap(ev.get("message"), policy.low) if ev.get("kind") == "error" else None
+    if gap is None:
+        return False
+    note(gap.sentence(policy.device, stops_at=ev.get("module") or ""))
+    return True
 
 
 _HOLDS_FP32 = (torch.float32, torch.float64)
@@ -191,20 +232,77 @@ def judge_range(row: dict, stored: torch.dtype | None, low: torch.dtype) -> dict
     return row
 
 
-def batch_loss(loss_fn, target) -> Callable[[Any], torch.Tensor]:
-    """What calibration differentiates: the model file's loss on this batch's target, else a sum of outputs."""
+def batch_loss(loss_fn, target, *, proxy: str = "mean") -> Callable[[Any], torch.Tensor]:
+    """What is differentiated for one batch: the model file's ``loss_fn`` on this batch's ``target``; without
+    either, a ``proxy`` of the floating outputs (in fp32, dataclass outputs too): ``"mean"``, the sum of each
+    output's mean (d proxy/d out = 1/numel, a mean loss's size: calibration's), or ``"sum"`` (gradient 1 per
+    element: plan's, whose measurements are relative to FP32 and so independent of the scale)."""
     if loss_fn is not None and target is not None:
         return lambda out: loss_fn(out, target)
+    if proxy not in ("mean", "sum"):
+        raise ValueError(f"proxy must be 'mean' or 'sum', got {proxy!r}")
 
     def total(out):
-        parts = [t.float().sum() for t in float_tensors(out) if t.requires_grad]   # dataclass outputs too
+        parts = [t.float().mean() if proxy == "mean" else t.float().sum()
+                 for t in float_tensors(out) if t.requires_grad and t.numel()]
         return torch.stack(parts).sum() if parts else None
     return total
 
 
+def backward_label(loss_fn, batches: list[tuple], origin: str) -> str:
+    """What :func:`calibrate`'s backward differentiates on ``batches`` (from ``origin``), in words::
+
+        backward_label(loss_fn, [(args, {}, y)], "train_data()")  # 'loss_fn(output, target) on train_data() batch 1'
+    """
+    targets = [len(b) > 2 and b[2] is not None for b in batches]
+    if loss_fn is None or not any(targets):
+        why = "no loss_fn" if loss_fn is None else f"{origin} gave no target for loss_fn"
+        return f"mean of the outputs ({why})"
+    n = len(batches)
+    which = "batch 1" if n == 1 else f"batches 1-{n}"
+    where = f"{origin} {which}" if origin.endswith("()") else f"{which} of {origin}"    # train_data() batch 1
+    if all(targets):
+        return f"loss_fn(output, target) on {where}"
+    return f"loss_fn(output, target) on the {origin} batches with a target, else the mean of the outputs"
+
+
+@dataclass
+class CalibrationData:
+    """The batches, loss and origin one calibration runs on (:func:`calibration_data`); ``note`` says why the
+    default fell back to the example inputs, when it did."""
+
+    batches: list[tuple]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    origin: str
+    note: str | None = None
+
+
+def calibration_data(loaded: Any, count: int = 0, *, explicit_inputs: bool = False) -> CalibrationData:
+    """What ``--calibrate`` runs on, for ``check`` and ``fix`` alike (one choice, so they agree): ``count``
+    batches of the model file's ``train_data()`` (``--calibrate-batches``); by default (``count=0``) its first
+    batch, differentiated through ``loss_fn``, when the file has both (and no ``--input``: ``explicit_inputs``);
+    else the example inputs, with the mean of the outputs as the loss."""
+    loss_fn = loaded.hook("loss_fn")
+    if count > 0:
+        return CalibrationData(batches_from(loaded, count), loss_fn, "train_data()")
+    example = CalibrationData([(loaded.args, loaded.kwargs)], loss_fn, "the example inputs")
+    if explicit_inputs or loss_fn is None or loaded.hook("train_data") is None:
+        return example
+    try:
+        first = batches_from(loaded, 1)
+    except Exception as exc:  # noqa: BLE001 - the user's train_data; the audit goes on, and says why
+        text = (str(exc).strip().splitlines() or [""])[0][:160]
+        example.note = f"train_data() raised {type(exc).__name__}: {text}; calibrated on the example inputs"
+        return example
+    if not first or len(first[0]) < 3 or first[0][2] is None:
+        example.note = "train_data() gave no (inputs, target) batch; calibrated on the example inputs"
+        return example
+    return CalibrationData(first, loss_fn, "train_data()")
+
+
 def batches_from(loaded: Any, count: int) -> list[tuple]:
     """``count`` batches ``(args, kwargs, target)`` from the model file's ``train_data()``, else its example
-    inputs once (no target: calibration's backward then differentiates a sum of the outputs)."""
+    inputs once (no target: calibration's backward then differentiates the mean of the outputs)."""
     from ampaudit.errors import InputError
 
     if count <= 0:

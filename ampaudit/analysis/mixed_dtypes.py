@@ -22,6 +22,8 @@ import torch.fx as fx
 from torch._subclasses import fake_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ampaudit.machine.kernels import kernel_gap
+
 # What a fake or meta kernel raises when it cannot know an op's output (no kernel, data-dependent shapes or values):
 # the shapes after it are unknown, but the inputs may well fit.
 NO_KERNEL = (NotImplementedError, fake_tensor.DynamicOutputShapeException, fake_tensor.DataDependentOutputException,
@@ -98,8 +100,8 @@ def raises_at_autocast_dtypes(interp, n: fx.Node, category: str | None) -> tuple
     # On CPU zeros (meta tensors never meet autocast); too large to confirm is not reported.
     with torch.autocast("cpu", dtype=interp.policy.low), simulation(interp.policy):
         exc = real_error(interp, n, args, kwargs, max_numel=_CHECK_NUMEL, too_big=_UNCONFIRMED)
-    if exc is None or exc is _UNCONFIRMED:
-        return None
+    if exc is None or exc is _UNCONFIRMED or kernel_gap(exc, interp.policy.low) is not None:
+        return None     # (a kernel this CPU lacks for the dtype says nothing about mixed dtypes on the target)
     # The kernel's own words name the dtypes it expected.
     return " ".join(str(exc).split())[:200], sorted(dtypes, key=lambda d: (d.itemsize, str(d)))
 

@@ -34,7 +34,7 @@ def check(
     why: Annotated[bool, typer.Option("--why", help="Show why each finding matters (table format).")] = False,
     capture: Annotated[str, typer.Option(help="How to capture the graph: auto (fx, then torch.export, then dispatch-level recording), fx, export or dispatch.")] = "auto",
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model in FP32 and under the target's autocast and report measured range, non-finite and divergence findings.")] = False,
-    calibrate_batches: Annotated[int, typer.Option(help="With --calibrate: use this many batches of train_data() instead of example_inputs().")] = 0,
+    calibrate_batches: Annotated[int, typer.Option(help="With --calibrate: use this many batches of train_data() [default: its first batch when the file has train_data() and loss_fn, else example_inputs()].")] = 0,
     batch: Annotated[Optional[int], typer.Option(help="The per-rank micro-batch the model will be trained with: BatchNorm below rules/policy/settings.toml's min_micro_batch is a finding (AMP304).")] = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds (a forward that hangs) [0: no limit].")] = 600.0,
 ) -> None:
@@ -64,16 +64,16 @@ def check(
         raise UsageError(f"--batch must be >= 1, got {batch}", hint="the per-rank micro-batch, e.g. --batch 32")
     if calibrate_batches and not calibrate:
         raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
-    from ampaudit.analysis.calibrate import batches_from
+    from ampaudit.analysis.calibrate import calibration_data
     from ampaudit.timeout import time_limit
 
     with time_limit(timeout, "check"):
         loaded = load_target(target, entry=entry, inputs=input)
-        batches = batches_from(loaded, calibrate_batches) if calibrate else None
+        # The batches and the loss come from calibration_data, as fix --calibrate's do: the two agree.
+        data = calibration_data(loaded, calibrate_batches, explicit_inputs=bool(input)) if calibrate else None
         report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
                            rules_dirs=rule_dirs, target=target, base_dir=Path.cwd(), capture_mode=capture,
-                           calibrate=calibrate, batches=batches,
-                           loss_fn=loaded.hook("loss_fn") if calibrate else None, batch=batch, **loaded.kwargs)
+                           calibrate=calibrate, data=data, batch=batch, **loaded.kwargs)
 
     if fmt == "table":
         if output:

@@ -26,18 +26,21 @@ def fix(
     ignore: Annotated[Optional[list[str]], typer.Option(help="Leave findings of these rules alone (same forms as --select).")] = None,
     pad: Annotated[bool, typer.Option("--pad", help="Also pad misaligned Linear/Embedding/Conv dims with zeros (outputs unchanged).")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the re-check and the before/after autocast comparison.")] = False,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the example inputs under autocast and fix the modules that produce inf/NaN.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model under autocast, on what check --calibrate runs (the first train_data() batch through loss_fn, else example_inputs()), and fix the modules that produce inf/NaN.")] = False,
     diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff that fixes your own source files; change nothing (exit 1 when there is a diff).")] = False,
-    write: Annotated[bool, typer.Option("--write", help="Apply that diff to your source files, atomically, once it is verified.")] = False,
+    write: Annotated[bool, typer.Option("--write", help="Apply that diff to your source files, atomically, once it is verified; each keeps its mode, and a read-only file is refused (see --force).")] = False,
     unsafe_fixes: Annotated[bool, typer.Option("--unsafe-fixes", help="With --diff/--write: also make the edits that may change FP32 results (padding a vocabulary).")] = False,
     format: Annotated[str, typer.Option("--format", "-f", help="With --diff/--write: the summary as text or json.")] = "text",
+    force: Annotated[bool, typer.Option("--force", help="With --write: also write files without write permission (each keeps its mode).")] = False,
 ) -> None:
     """Rewrite a model so it runs safely under autocast: FP32 islands around flagged ops, verified; or fix your
     own source with --diff / --write."""
+    if force and not write:
+        raise UsageError("--force applies to --write", hint="add --write")
     if diff or write:
         return _fix_source(target, entry=entry, input=input, device=device, dtype=dtype, select=select,
                            ignore=ignore, calibrate=calibrate, no_verify=no_verify, diff=diff, write=write,
-                           unsafe=unsafe_fixes, fmt=format, output=output, pad=pad)
+                           unsafe=unsafe_fixes, fmt=format, output=output, pad=pad, force=force)
     if output is None:
         raise UsageError("fix needs --output DIR (a rewritten model.py) or --diff/--write (your own source fixed)",
                          hint="e.g. ampaudit fix model.py --diff")
@@ -50,11 +53,15 @@ def fix(
     cfg, device, dtype = _settings(target, device, dtype)  # bad --device/--dtype fail before the model file runs
     check_outdir(output)        # and so does an OUTDIR we must not overwrite
     loaded = load_target(target, entry=entry, inputs=input)
+    from ampaudit.analysis.calibrate import calibration_data
+
+    # The batches and the loss check --calibrate uses (one choice): what check measures is what fix fixes.
+    data = calibration_data(loaded, explicit_inputs=bool(input)) if calibrate else None
     entry_name, _ = _pick_entry(loaded.namespace, entry or (target.partition(":")[2] if loaded.path is None else None) or None,
                                 loaded.display)
     result = run_fix(loaded.model, *loaded.args, device=device, dtype=dtype, select=split_list(select) or cfg.get("select"),
                      ignore=split_list(ignore) or cfg.get("ignore"), pad=pad, verify=not no_verify, calibrate=calibrate,
-                     target=target, **loaded.kwargs)
+                     target=target, data=data, **loaded.kwargs)
     saved_inputs = bool(input) or loaded.hook("example_inputs") is None
     written = write_outdir(result, output, source=loaded, entry=entry_name, saved_inputs=saved_inputs)
     typer.echo(result.report.to_text())
@@ -75,7 +82,7 @@ def _settings(target: str, device: str | None, dtype: str | None) -> tuple[dict,
 
 
 def _fix_source(target: str, *, entry, input, device, dtype, select, ignore, calibrate, no_verify, diff, write,
-                unsafe, fmt, output, pad) -> None:
+                unsafe, fmt, output, pad, force=False) -> None:
     """--diff / --write: plan, verify, print the diff or write the files, print the summary."""
     import json
 
@@ -94,7 +101,7 @@ def _fix_source(target: str, *, entry, input, device, dtype, select, ignore, cal
                         rules_dirs=cfg.get("rules", []), calibrate=calibrate, unsafe=unsafe, verify=not no_verify)
     verified = result.verified
     if write and result.changed and verified:
-        result.write()
+        result.write(force=force)
     if fmt == "json":
         data = result.to_dict()
         if diff:

@@ -269,7 +269,7 @@ def _record(root: nn.Module, linears: list[tuple[str, nn.Linear]], batch: tuple,
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 raise InputError(f"the FP32 forward of {type(root).__name__} raised {type(exc).__name__}: {first}",
                                  hint="check that the batches fit forward()") from exc
-            total = batch_loss(loss_fn, target)(out)
+            total = batch_loss(loss_fn, target, proxy="sum")(out)
     finally:
         for h in handles:
             h.remove()

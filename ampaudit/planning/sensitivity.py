@@ -31,7 +31,7 @@ def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn, 
     target = batch[2] if len(batch) > 2 else None
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.set_rng_state(rng)
-        loss = batch_loss(loss_fn, target)(model(*args, **kwargs))
+        loss = batch_loss(loss_fn, target, proxy="sum")(model(*args, **kwargs))
         grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
     return torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if g is None else g.detach().double().flatten()
                       for p, g in zip(params, grads)])

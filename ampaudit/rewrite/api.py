@@ -48,8 +48,10 @@ class FixResult:
 def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         select: Sequence[str] | None = None, ignore: Sequence[str] | None = None, pad: bool = False,
         verify: bool = True, calibrate: bool = False, rules_dirs: Sequence[str | Path] = (),
-        target: str | None = None, **kwargs) -> FixResult:
-    """Fix ``model`` (called as ``model(*args, **kwargs)``) for the ``device``/``dtype`` autocast target."""
+        target: str | None = None, data=None, **kwargs) -> FixResult:
+    """Fix ``model`` (called as ``model(*args, **kwargs)``) for the ``device``/``dtype`` autocast target.
+    ``calibrate=True`` measures on ``data`` (``calibration_data(loaded)``, as ``check --calibrate`` does), else on
+    the example inputs."""
     from ampaudit.api import audit
 
     if not isinstance(model, nn.Module):
@@ -61,7 +63,7 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     work = copy.deepcopy(original)
     try:
         aud = audit(work, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
-                    target=target, capture_mode="fx", calibrate=calibrate, **kwargs)
+                    target=target, capture_mode="fx", calibrate=calibrate, data=data, **kwargs)
     except CaptureError as exc:
         raise CaptureError(f"cannot rewrite {type(original).__name__}: {exc.message}", hint=KEEP_FP32_HINT) from exc
     gm, policy = aud.capture.gm, aud.policy
@@ -88,7 +90,7 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     fixed = install_forward(work, gm)
     if verify:
         report.verification = _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate,
-                                      padded)
+                                      padded, data)
     return FixResult(module=fixed, changes=changes, report=report, gm=gm, devices=devices)
 
 
@@ -117,7 +119,7 @@ def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) 
     return out
 
 
-def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate, padded):
+def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate, padded, data=None):
     from ampaudit.api import audit
 
     device_type = runtime_device(original)
@@ -126,7 +128,7 @@ def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, c
         v.notes.append(f"outputs compared under {device_type} autocast: the model's weights are on {device_type}, "
                        f"the target is {policy.device}")
     again = audit(fixed, *args, device=policy.device, dtype=policy.dtype_name, select=select, ignore=ignore,
-                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, **kwargs)
+                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, data=data, **kwargs)
     remaining = island_findings(again.report.findings)
     if padded:
         remaining += [f for f in of_kind(again.report.findings, "pad") if f.module in padded

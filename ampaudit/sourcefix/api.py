@@ -54,14 +54,21 @@ class SourceFixResult:
                                         fromfile=f"a/{rel.lstrip('/')}", tofile=f"b/{rel.lstrip('/')}")
         return "".join(out)
 
-    def write(self) -> list[str]:
-        """Write the changed files atomically; refuse when verification failed or a file changed meanwhile."""
+    def write(self, *, force: bool = False) -> list[str]:
+        """Write the changed files atomically, each keeping its mode (and owner where it can); refuse when a file
+        changed meanwhile, or (unless ``force``) is read-only: nothing is written then."""
+        import stat
+
         from ampaudit.errors import UsageError
-        from ampaudit.fileio import atomic_write_text
+        from ampaudit.fileio import atomic_write_text, read_only
 
         for path in self.changed:
             if Path(path).read_text(encoding="utf-8") != self.plan.originals[path]:
                 raise UsageError(f"{path} changed while fix ran; nothing written", hint="run ampaudit fix again")
+            if not force and read_only(path):
+                mode = stat.S_IMODE(Path(path).stat().st_mode)
+                raise UsageError(f"{path} is read-only (mode {mode:o}); nothing written",
+                                 hint="make it writable (chmod u+w), or pass --force to write it keeping its mode")
         for path, text in self.changed.items():
             atomic_write_text(path, text, hint="make the model file writable")
             self.written.append(path)
@@ -127,8 +134,12 @@ def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] |
     rules = load_rules(list(rules_dirs))
     by_id = {r.id: r for r in rules}
     loaded = load_target(target, entry=entry, inputs=list(inputs) if inputs else None)
+    from ampaudit.analysis.calibrate import calibration_data
+
+    # check --calibrate's batches and loss (one choice): the edits fix what check measures.
     settings = {"device": device, "dtype": dtype, "select": select, "ignore": ignore, "rules_dirs": rules_dirs,
-                "target": target, "calibrate": calibrate}
+                "target": target, "calibrate": calibrate,
+                "data": calibration_data(loaded, explicit_inputs=bool(inputs)) if calibrate else None}
     import copy
 
     original = copy.deepcopy(loaded.model)

@@ -223,10 +223,15 @@ def verify_sources(mirror: Mirror, loaded, fixed, original_model, *, settings: d
 
 def audit_with(model, loaded, hooks, settings: dict):
     """``ampaudit.api.audit`` of ``model`` on ``loaded``'s example inputs, under fix's ``settings``; a calibrated
-    audit takes its loss_fn from ``hooks`` (the LoadedTarget the model came from)."""
+    audit runs on ``settings["data"]`` (check --calibrate's batches) with the loss_fn of ``hooks`` (the
+    LoadedTarget the model came from)."""
+    import dataclasses
+
     from ampaudit.api import audit
 
+    data = settings.get("data")
+    if data is not None and data.loss_fn is not None:
+        data = dataclasses.replace(data, loss_fn=hooks.hook("loss_fn"))
     return audit(model, *loaded.args, device=settings["device"], dtype=settings["dtype"], select=settings["select"],
                  ignore=settings["ignore"], rules_dirs=settings["rules_dirs"], target=settings["target"],
-                 capture_mode="auto", calibrate=settings["calibrate"],
-                 loss_fn=hooks.hook("loss_fn") if settings["calibrate"] else None, **loaded.kwargs)
+                 capture_mode="auto", calibrate=settings["calibrate"], data=data, **loaded.kwargs)

@@ -159,6 +159,12 @@ class Evaluator:
             metrics = self._metric_fn(output, target) if self._metric_fn is not None else \
                 (topk_metrics(output, target) or {})
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+            from ampaudit.machine.kernels import run_gap
+
+            gap = run_gap(exc, self.device.type, self.dtype if autocast else None)
+            if gap is not None:    # this CPU lacks a kernel: eval_data() and metric_fn are not at fault
+                raise TrainError(f"{gap[0]} (evaluation at step {step}, eval batch {index}: "
+                                 f"{' '.join(str(exc).split())[:160]})", hint=gap[1]) from exc
             raise TrainError(f"evaluation failed at step {step} (eval batch {index}): {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:240]}",
                              hint="check that eval_data() yields what forward(), loss_fn() and metric_fn() take") \

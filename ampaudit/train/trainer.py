@@ -344,6 +344,7 @@ class Trainer(TrainerState):
                 output = model(*args, **kwargs)
                 loss = self._loss_fn(output, target)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            self._kernel_gap(exc)
             raise TrainError(f"forward or loss_fn failed at step {self.step + 1}: {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:240]}",
                              hint="check that train_data() yields what forward() and loss_fn() take "
@@ -355,6 +356,16 @@ class Trainer(TrainerState):
         loss = loss.float() / self.accum
         self.scaler.scale(loss).backward()
         return loss.detach()
+
+    def _kernel_gap(self, exc: BaseException) -> None:
+        """A TrainError naming this CPU's missing kernel (not the user's data or loss) when that is what ``exc``
+        is: oneDNN's fp16 LSTM on many CPUs (:mod:`ampaudit.machine.kernels`)."""
+        from ampaudit.machine.kernels import run_gap
+
+        gap = run_gap(exc, self.device.type, self.dtype if self._autocast else None)
+        if gap is not None:
+            raise TrainError(f"{gap[0]} (step {self.step + 1}: {' '.join(str(exc).split())[:160]})",
+                             hint=f"{gap[1]} (train_data() and loss_fn are not at fault)") from exc
 
     def _optimizer_step(self, step: int, scale: float | None) -> tuple[bool, float | None, bool]:
         if self.masters is not None:
