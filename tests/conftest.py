@@ -17,6 +17,10 @@ PLANTED = ROOT.parent / "shared" / "planted"
 if not PLANTED.is_dir():
     PLANTED = ASSETS / "planted"
 SAMPLES = ROOT / "samples"
+# `ampaudit train` defaults to the dtype this machine runs natively (bf16 on AVX512-BF16 CPUs, fp16 elsewhere): the
+# tests, written for one machine's answer, pin it for themselves and for every process they start;
+# tests/test_train_default_dtype.py checks the default itself.
+os.environ.setdefault("AMPAUDIT_DEFAULT_DTYPE", "float16")
 
 
 def load_module(path: Path):

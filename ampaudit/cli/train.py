@@ -75,7 +75,7 @@ def train(
     entry: Annotated[Optional[str], typer.Option(help="Name of the factory/model in the file.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train (each of --accum micro-batches).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Passes over train_data() instead of --steps.")] = None,
-    dtype: Annotated[str, typer.Option(help="Low-precision dtype: float16, bfloat16, float8 (plans first, as ampaudit plan does with its defaults, then trains the plan), or float32.")] = "float16",
+    dtype: Annotated[Optional[str], typer.Option(help="Low-precision dtype: float16, bfloat16, float8 (plans first, as ampaudit plan does with its defaults, then trains the plan), or float32 [default: bfloat16 where the device multiplies it natively (CUDA sm_80+, AMX/AVX512-BF16 CPUs), else float16].", show_default=False)] = None,
     plan: Annotated[Optional[Path], typer.Option(help="A plan from ampaudit plan -o: its float8 layers train in fp8 (torchao), its float32 layers in fp32, the rest under bf16 autocast.")] = None,
     opt_level: Annotated[str, typer.Option("--opt-level", help="O1: fp32 weights + autocast; O2: low-precision "
                                            "weights with FP32 master weights, BatchNorm in fp32.")] = "O1",
@@ -144,6 +144,13 @@ def train(
         raise UsageError("--pad is not supported with --fsdp", hint="drop --pad (those layers train in bf16), or train without --fsdp")
     if checkpoint_every is not None and checkpoint is None:
         raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
+    chosen = None
+    if dtype is None:
+        from ampaudit.machine.train_dtype import default_train_dtype
+
+        dtype, why = default_train_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if not why.startswith("set by"):    # the device's answer is news; the caller's own setting is not
+            chosen = f"dtype {dtype}: {why} (--dtype to choose)"
     loaded = load_target(target, entry=entry, need_inputs=False)
     train_data, loss_fn = _hooks(loaded)
     if plan is not None or dtype == "float8":
@@ -177,6 +184,8 @@ def train(
         checkpoint_activations=checkpoint_activations, sync_bn=sync_bn,
         meta={"target": loaded.display, "argv": sys.argv[1:]})
     main = trainer.dist.is_main
+    if chosen and main:
+        typer.echo(chosen, err=True)
     for message in trainer.warnings:        # rank 0's, said once at the start
         typer.echo(f"warning: {message}", err=True)
     if resume and main and checkpoint is not None:

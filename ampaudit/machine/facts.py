@@ -87,6 +87,13 @@ def _gpus(torch) -> list[dict[str, Any]]:
     return gpus
 
 
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's part of :func:`gather`: model, arch, torch's kernel capability, the named flags it has."""
+    import torch
+
+    return _cpu(torch)
+
+
 def _cpu(torch) -> dict[str, Any]:
     from ampaudit.policy import devices
 
