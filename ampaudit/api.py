@@ -63,8 +63,12 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, batch: int | None = None, **kwargs) -> Audit:
-    """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
+          loss_fn=None, batch: int | None = None, specialize: bool = True, **kwargs) -> Audit:
+    """Like :func:`check`, but also returns the captured, propagated graph and the policy.
+
+    ``specialize=False`` leaves a torch.fx.wrap'd function opaque where its body can only be recorded at the
+    example inputs' shapes (what ``fix`` rewrites must hold for every input), rather than splicing that path in.
+    """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
     policy = Policy.load(device, dtype)
@@ -78,7 +82,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     restore = buffer_snapshot(model)
     try:
         cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
-        prop = AmpProp(cap.gm, policy)
+        prop = AmpProp(cap.gm, policy, specialize=specialize)
         g_args, g_kwargs = cap.graph_inputs(args, kwargs)
         with quiet():                      # fake kernels (torchvision's) warn while shapes propagate
             prop.propagate(*g_args, **g_kwargs)
@@ -102,6 +106,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}")
         report.notes.extend(skipped)
     report.notes.extend(f"{cap.mode} capture used; {note}" for note in cap.notes)
+    report.notes.extend(prop.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "

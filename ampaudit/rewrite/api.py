@@ -61,7 +61,7 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     work = copy.deepcopy(original)
     try:
         aud = audit(work, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
-                    target=target, capture_mode="fx", calibrate=calibrate, **kwargs)
+                    target=target, capture_mode="fx", calibrate=calibrate, specialize=False, **kwargs)
     except CaptureError as exc:
         raise CaptureError(f"cannot rewrite {type(original).__name__}: {exc.message}", hint=KEEP_FP32_HINT) from exc
     gm, policy = aud.capture.gm, aud.policy
@@ -126,7 +126,7 @@ def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, c
         v.notes.append(f"outputs compared under {device_type} autocast: the model's weights are on {device_type}, "
                        f"the target is {policy.device}")
     again = audit(fixed, *args, device=policy.device, dtype=policy.dtype_name, select=select, ignore=ignore,
-                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, **kwargs)
+                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, specialize=False, **kwargs)
     remaining = island_findings(again.report.findings)
     if padded:
         remaining += [f for f in of_kind(again.report.findings, "pad") if f.module in padded

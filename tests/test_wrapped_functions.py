@@ -1,0 +1,68 @@
+"""Code inside functions torch.fx keeps opaque (torch.fx.wrap) is audited with its own lines, by every capture,
+and never run on fx's immutable argument lists."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampaudit
+from ampaudit.capture import capture
+
+from conftest import ASSETS, load_module
+
+W = load_module(ASSETS / "wrapped" / "wrapped_models.py")
+SRC = str(ASSETS / "wrapped" / "wrapped_models.py")
+
+
+def line_of(text: str) -> int:
+    return next(i for i, line in enumerate(open(SRC).read().splitlines(), 1) if text in line)
+
+
+def found(report):
+    return sorted({(f.rule, f.module, (f.location or {}).get("file"), (f.location or {}).get("line"))
+                   for f in report.findings})
+
+
+def test_a_wrapped_function_that_mutates_its_list_arguments_is_audited():
+    # swin3d's _get_window_and_shift_size does `shift_size[i] = 0` on what fx hands it as an immutable_list.
+    report = ampaudit.check(W.Swin3dWindows(), torch.randn(1, 4, 4, 16), device="cuda")
+    assert report.capture == "fx"
+    assert not any("opaque" in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])
+def test_mask_constant_inside_a_wrapped_helper_found_on_its_own_line(mode):
+    x = torch.randn(2, 8, 16)
+    wrapped = ampaudit.check(W.MaskedAttention(), x, device="cuda", capture_mode=mode)
+    assert ("AMP401", "", SRC, line_of("scores = scores.masked_fill(mask, -1e9)")) in found(wrapped)
+    plain = ampaudit.check(W.MaskedAttentionPlain(), x, device="cuda", capture_mode=mode)
+    # The unwrapped twin (same body, a few lines further down) gives the same findings.
+    assert [f[:2] for f in found(wrapped)] == [f[:2] for f in found(plain)]
+
+
+def test_normalize_eps_inside_swin_v2_style_attention_is_flagged():
+    # Control flow on the input's shape: fx cannot trace the body symbolically, so it is traced at these shapes.
+    report = ampaudit.check(W.CosineWindows(), torch.randn(2, 4, 4, 16), device="cpu", capture_mode="fx")
+    line = line_of("attn = F.normalize(q, dim=-1)")
+    assert ("AMP402", "", SRC, line) in found(report), report.to_dict()["findings"]
+
+
+def test_the_capture_graph_is_spliced_only_where_it_holds_for_every_input():
+    # fix rewrites the captured graph: a body traced at the example shapes stays one opaque call there.
+    from ampaudit.analysis.amp_prop import AmpProp
+    from ampaudit.policy import Policy
+
+    cap = capture(W.CosineWindows())
+    prop = AmpProp(cap.gm, Policy.load("cpu", "float16"), specialize=False)
+    prop.propagate(torch.randn(2, 4, 4, 16))
+    targets = [n.target for n in cap.gm.graph.nodes if n.op == "call_function"]
+    assert W.window_cosine_attention in targets
+    assert any("window_cosine_attention is not audited inside" in n for n in prop.notes)
+    # Traced symbolically (no shape decides anything), the body replaces the call for good.
+    model = W.MaskedAttention()
+    cap = capture(model)
+    AmpProp(cap.gm, Policy.load("cuda", "float16"), specialize=False).propagate(torch.randn(2, 8, 16))
+    assert W.masked_attention not in [n.target for n in cap.gm.graph.nodes]
+    cap.gm.recompile()
+    x = torch.randn(2, 8, 16)
+    torch.testing.assert_close(cap.gm(x), model(x))
