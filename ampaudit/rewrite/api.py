@@ -28,7 +28,7 @@ from ampaudit.wrappers import unwrap
 from ampaudit.rewrite.verify import runtime_device, verify_outputs
 
 KEEP_FP32_HINT = ("keep your eager model and run the flagged modules in fp32 with "
-                  "ampaudit.keep_fp32(model, ['module.path', ...])")
+                  "ampaudit.keep_fp32(model, ['module.path', ...]), or edit your source with ampaudit fix --diff")
 
 
 @dataclass
