@@ -39,6 +39,7 @@ class Audit:
     capture: Capture
     policy: Policy
     report: Report
+    opaque: list = dataclasses.field(default_factory=list)   # the wrapped functions not audited inside, and why
 
 
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
@@ -113,7 +114,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
-    return Audit(capture=cap, policy=policy, report=report)
+    return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes))
 
 
 def _calibrate(model: nn.Module, batches: list, policy: Policy, loss_fn=None):

@@ -66,3 +66,44 @@ def test_the_capture_graph_is_spliced_only_where_it_holds_for_every_input():
     cap.gm.recompile()
     x = torch.randn(2, 8, 16)
     torch.testing.assert_close(cap.gm(x), model(x))
+
+
+def test_check_cli_succeeds_on_a_wrapped_function_that_mutates_its_arguments():
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    res = CliRunner().invoke(app, ["check", SRC, "--entry", "build_swin3d", "--input", "1x4x4x16"])
+    assert res.exit_code in (0, 1), res.output
+    assert "immutable_list" not in res.output and "do not fit" not in res.output
+
+
+@pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])
+def test_a_graph_module_from_a_custom_tracer_is_audited_inside_its_opaque_parts(mode):
+    # The user's tracer kept clamp_scores (autowrap_functions) and LeafAttention (a leaf) opaque.
+    report = ampaudit.check(W.custom_traced(), torch.randn(2, 16), device="cuda", capture_mode=mode)
+    lines = {(f.module, f.location["line"]) for f in report.findings if f.rule == "AMP401"}
+    assert lines == {("", _line_in("def clamp_scores")), ("attn", _line_in("class LeafAttention"))}, \
+        report.to_dict()["findings"]
+
+
+def _line_in(after: str) -> int:
+    """The -1e9 line that follows ``after`` in the models file."""
+    lines = open(SRC).read().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line)
+    return next(i for i in range(start, len(lines)) if "-1e9" in lines[i]) + 1
+
+
+def test_a_constant_the_wrapped_body_builds_stays_a_real_tensor_in_the_spliced_graph():
+    from ampaudit.analysis.amp_prop import AmpProp
+    from ampaudit.policy import Policy
+
+    model = W.Floor()
+    cap = capture(model)
+    AmpProp(cap.gm, Policy.load("cuda", "float16"), specialize=False).propagate(torch.randn(2, 16))
+    consts = [getattr(cap.gm, n.target) for n in cap.gm.graph.nodes if n.op == "get_attr" and "inlined" in n.target]
+    assert consts and all(type(c) is torch.Tensor for c in consts)
+    cap.gm.recompile()
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(cap.gm(x), model(x))

@@ -12,6 +12,10 @@ The fake run itself is in fp32 (the model as written); the autocast dtypes are a
 policy tables: lower ops produce the low dtype, fp32 ops fp32, unlisted ops follow torch's type promotion of their
 tensor inputs, and explicit casts (``.float()``, ``.to(x.dtype)``) win. ``x.dtype`` resolves to x's autocast dtype,
 so masks built with ``.to(scores.dtype)`` get the dtype they would really have.
+
+A call of a function fx keeps opaque (``torch.fx.wrap``) is replaced by its body on the way
+(:mod:`ampaudit.capture.opaque`), so the rules see its ops with its own lines; ``specialize=False`` splices only
+bodies that hold for every input (what ``fix`` rewrites), never one recorded at these inputs' shapes.
 """
 from __future__ import annotations
 
@@ -263,8 +267,9 @@ class AmpProp(fx.Interpreter):
             spliced = record_call(self.module, n, self.env)
         if isinstance(spliced, fx.Node):
             return spliced
-        if spliced != NOTHING_INSIDE:
-            self.notes.append(f"{n.target.__name__} is not audited inside (fx keeps it opaque: {spliced})")
+        note = f"{n.target.__name__} is not audited inside (fx keeps it opaque: {spliced})"
+        if spliced != NOTHING_INSIDE and note not in self.notes:    # once, not once per block calling it
+            self.notes.append(note)
         return None
 
     def call_function(self, target, args, kwargs):

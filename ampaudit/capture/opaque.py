@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses import fake_tensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -98,7 +99,9 @@ def inline_call(gm: fx.GraphModule, node: fx.Node):
     slots = [i for i, v in enumerate(leaves) if isinstance(v, fx.Node)]
     tracer = AuditTracer()
     try:
-        sub = tracer.trace(_caller(node.target, spec, leaves, slots))
+        # Outside propagation's fake mode: a tensor the body builds from constants is real, as fix must keep it.
+        with fake_tensor.unset_fake_temporarily():
+            sub = tracer.trace(_caller(node.target, spec, leaves, slots))
     except Exception as exc:
         return _reason(exc)
     if not _computes(sub):
@@ -149,7 +152,11 @@ def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: 
         for sn in sub.nodes:
             if sn.op == "get_attr":          # a tensor the body built from constants (torch.tensor(-1e9))
                 name = _fresh_name(gm, "_ampaudit_inlined_const")
-                setattr(gm, name, getattr(sub_root, str(sn.target)))
+                value = getattr(sub_root, str(sn.target))
+                if isinstance(value, torch.Tensor):   # not in state_dict: the model's checkpoints stay as they are
+                    gm.register_buffer(name, value, persistent=False)
+                else:
+                    setattr(gm, name, value)
                 val_map[sn] = graph.get_attr(name)
                 val_map[sn].meta.update(sn.meta)
         out = graph.graph_copy(sub, val_map)

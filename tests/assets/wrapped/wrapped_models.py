@@ -86,3 +86,55 @@ def _unwrapped_masked_attention(q, k, v, mask):
     scores = q @ k.transpose(-2, -1)
     scores = scores.masked_fill(mask, -1e9)
     return scores.softmax(-1) @ v
+
+
+def clamp_scores(s):
+    return s.masked_fill(s > 0, -1e9)
+
+
+class LeafAttention(nn.Module):
+    def forward(self, s):
+        return s.masked_fill(s > 0, -1e9).softmax(-1)
+
+
+class CustomTraced(nn.Module):
+    """Traced by the user's own tracer: ``clamp_scores`` autowrapped, ``LeafAttention`` a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.attn = LeafAttention()
+
+    def forward(self, x):
+        return self.attn(clamp_scores(self.fc(x)))
+
+
+class LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, LeafAttention) or super().is_leaf_module(m, qualname)
+
+
+def custom_traced():
+    model = CustomTraced()
+    return torch.fx.GraphModule(model, LeafTracer(autowrap_functions=(clamp_scores,)).trace(model))
+
+
+def build_swin3d():
+    return Swin3dWindows()
+
+
+def add_floor(x):
+    # A tensor built from constants inside the body: fx stores it on the graph module.
+    return torch.maximum(x, torch.full((16,), -1e9))
+
+
+torch.fx.wrap("add_floor")
+
+
+class Floor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return add_floor(self.fc(x))
