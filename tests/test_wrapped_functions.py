@@ -41,10 +41,13 @@ def test_mask_constant_inside_a_wrapped_helper_found_on_its_own_line(mode):
 
 
 def test_normalize_eps_inside_swin_v2_style_attention_is_flagged():
-    # Control flow on the input's shape: fx cannot trace the body symbolically, so it is traced at these shapes.
-    report = ampaudit.check(W.CosineWindows(), torch.randn(2, 4, 4, 16), device="cpu", capture_mode="fx")
+    # Control flow on the input's shape: fx cannot trace the body symbolically, so it is recorded at these shapes.
+    x = torch.randn(2, 4, 4, 16)
+    report = ampaudit.check(W.CosineWindows(), x, device="cpu", capture_mode="fx")
     line = line_of("attn = F.normalize(q, dim=-1)")
     assert ("AMP402", "", SRC, line) in found(report), report.to_dict()["findings"]
+    for mode in ("export", "dispatch"):         # which see through the wrap: the same findings
+        assert found(ampaudit.check(W.CosineWindows(), x, device="cpu", capture_mode=mode)) == found(report)
 
 
 def test_the_capture_graph_is_spliced_only_where_it_holds_for_every_input():
@@ -107,3 +110,9 @@ def test_a_constant_the_wrapped_body_builds_stays_a_real_tensor_in_the_spliced_g
     cap.gm.recompile()
     x = torch.randn(2, 16)
     torch.testing.assert_close(cap.gm(x), model(x))
+
+
+def test_a_wrapped_function_no_probe_can_run_is_noted_and_skipped():
+    report = ampaudit.check(W.DataScaled(), torch.randn(2, 8), device="cuda", capture_mode="fx")
+    assert any(n.startswith("scale_from_data is not audited inside") for n in report.notes), report.notes
+    assert any("shapes unknown after 1 node(s)" in n for n in report.notes), report.notes
