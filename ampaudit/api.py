@@ -21,7 +21,7 @@ from ampaudit.capture import Capture, capture_any
 from ampaudit.errors import UsageError
 from ampaudit.findings import Report
 from ampaudit.policy import Policy
-from ampaudit.rules.engine import relative_location, run_rules
+from ampaudit.rules.engine import relative_location, route_untraceable, run_rules
 from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
 from ampaudit.notes import collect
@@ -39,6 +39,7 @@ class Audit:
     capture: Capture
     policy: Policy
     report: Report
+    opaque: list = dataclasses.field(default_factory=list)   # the wrapped functions not audited inside, and why
 
 
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
@@ -77,8 +78,13 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, batch: int | None = None, data=None, **kwargs) -> Audit:
-    """Like :func:`check`, but also returns the captured, propagated graph and the policy."""
+          loss_fn=None, batch: int | None = None, specialize: bool = True, data=None,
+          **kwargs) -> Audit:
+    """Like :func:`check`, but also returns the captured, propagated graph and the policy.
+
+    ``specialize=False`` leaves a torch.fx.wrap'd function opaque where its body can only be recorded at the
+    example inputs' shapes (what ``fix`` rewrites must hold for every input), rather than splicing that path in.
+    """
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
     policy = Policy.load(device, dtype)
@@ -92,7 +98,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     restore = buffer_snapshot(model)
     try:
         cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
-        prop = AmpProp(cap.gm, policy)
+        prop = AmpProp(cap.gm, policy, specialize=specialize)
         g_args, g_kwargs = cap.graph_inputs(args, kwargs)
         with quiet():                      # fake kernels (torchvision's) warn while shapes propagate
             prop.propagate(*g_args, **g_kwargs)
@@ -107,6 +113,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
             data = data or _data(args, kwargs, batches, loss_fn)
             ctx.calibration = _calibrate(model, data, policy)
     findings, suppressed = run_rules(ctx, active)
+    if cap.mode != "fx":
+        route_untraceable(findings)
     if base_dir is not None:
         for f in findings:
             relative_location(f, Path(base_dir))
@@ -122,11 +130,12 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         report.calibration = {"batches": ctx.calibration.batches, "origin": data.origin,
                               "backward": ctx.calibration.backward}
     report.notes.extend(_capture_note(cap.mode, note) for note in cap.notes)
+    report.notes.extend(prop.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
-    return Audit(capture=cap, policy=policy, report=report)
+    return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes))
 
 
 def _data(args: tuple, kwargs: dict, batches: list | None, loss_fn):

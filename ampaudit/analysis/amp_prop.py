@@ -12,6 +12,10 @@ The fake run itself is in fp32 (the model as written); the autocast dtypes are a
 policy tables: lower ops produce the low dtype, fp32 ops fp32, unlisted ops follow torch's type promotion of their
 tensor inputs, and explicit casts (``.float()``, ``.to(x.dtype)``) win. ``x.dtype`` resolves to x's autocast dtype,
 so masks built with ``.to(scores.dtype)`` get the dtype they would really have.
+
+A call of a function fx keeps opaque (``torch.fx.wrap``) is replaced by its body on the way
+(:mod:`ampaudit.capture.opaque`), so the rules see its ops with its own lines; ``specialize=False`` splices only
+bodies that hold for every input (what ``fix`` rewrites), never one recorded at these inputs' shapes.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ampaudit.graph_meta import SourceLoc, example_of, module_of, source_of
 from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, real_error, run_promoted
+from ampaudit.capture.opaque import NOTHING_INSIDE, inline_call, plain, record_call, user_function
 from ampaudit.errors import InputError
 from ampaudit.policy import Policy, op_names
 
@@ -97,7 +102,7 @@ def _promote(dtypes: list[tuple[torch.dtype, int]]) -> torch.dtype | None:
 class AmpProp(fx.Interpreter):
     """Interpreter writing ``node.meta["amp"]``; call :meth:`propagate` with the example inputs."""
 
-    def __init__(self, gm: fx.GraphModule, policy: Policy):
+    def __init__(self, gm: fx.GraphModule, policy: Policy, *, specialize: bool = True):
         super().__init__(gm)
         self.policy = policy
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -105,6 +110,8 @@ class AmpProp(fx.Interpreter):
         self.ndim: dict[fx.Node, int] = {}        # tensor-valued nodes -> ndim (0-dim tensors promote weakly)
         self.unknown: list[fx.Node] = []
         self.autocast_stack: list[bool] = []     # enabled flags of recorded autocast regions, innermost last
+        self.specialize = specialize
+        self.notes: list[str] = []               # what propagation could not look into
 
     # -- entry point -----------------------------------------------------------------------------------------
     def propagate(self, *args, **kwargs) -> fx.GraphModule:
@@ -226,22 +233,52 @@ class AmpProp(fx.Interpreter):
         # Like Interpreter.run, but a node without a fake kernel only blanks the nodes that depend on it.
         self.env = {}
         args_iter = iter(args)
-        for node in self.graph.nodes:
-            if node.op == "placeholder":
-                self.args_iter = args_iter
-            if node.op == "output":
-                break
-            if any(isinstance(a, fx.Node) and a not in self.env for a in tree_flatten((node.args, node.kwargs))[0]):
-                node.meta[AMP_KEY] = AmpInfo(op=canonical_op(node, self.module)[0], module=module_of(node),
-                                             source=source_of(node), error="input shape unknown")
-                self._dtype_track(node, node.meta[AMP_KEY], None,
-                                  [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)])
-                continue
-            try:
-                self.env[node] = self.run_node(node)
-            except _Unknown:
-                continue
+        node = next(iter(self.graph.nodes), None)
+        # Walked by hand: a wrapped function's body is spliced in after its node, and is walked next.
+        while node is not None and node.op not in ("output", "root"):
+            node, current = node.next, node
+            if current.op == "call_function" and user_function(current.target):
+                spliced = self._descend(current)
+                if spliced is not None:
+                    node = spliced
+                    continue
+            self._run_one(current, args_iter)
         return None
+
+    def _run_one(self, node: fx.Node, args_iter) -> None:
+        if node.op == "placeholder":
+            self.args_iter = args_iter
+        if any(isinstance(a, fx.Node) and a not in self.env for a in tree_flatten((node.args, node.kwargs))[0]):
+            node.meta[AMP_KEY] = AmpInfo(op=canonical_op(node, self.module)[0], module=module_of(node),
+                                         source=source_of(node), error="input shape unknown")
+            self._dtype_track(node, node.meta[AMP_KEY], None,
+                              [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)])
+            return
+        try:
+            self.env[node] = self.run_node(node)
+        except _Unknown:
+            return
+
+    def _descend(self, n: fx.Node) -> fx.Node | None:
+        """Splice the body of the user function ``n`` calls into the graph; the first spliced node, or None when
+        ``n`` stays one opaque call (its body computes no tensor op, or cannot be traced: then noted)."""
+        spliced = inline_call(self.module, n)
+        inputs = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
+        if isinstance(spliced, str) and spliced != NOTHING_INSIDE and self.specialize \
+                and all(a in self.env for a in inputs):
+            # Control flow on a shape (Swin's window sizes): the ops these inputs run, recorded.
+            spliced = record_call(self.module, n, self.env)
+        if isinstance(spliced, fx.Node):
+            return spliced
+        note = f"{n.target.__name__} is not audited inside (fx keeps it opaque: {spliced})"
+        if spliced != NOTHING_INSIDE and note not in self.notes:    # once, not once per block calling it
+            self.notes.append(note)
+        return None
+
+    def call_function(self, target, args, kwargs):
+        if user_function(target):      # the user's own Python: give it the plain lists it is written for
+            args, kwargs = plain((args, kwargs))
+        return super().call_function(target, args, kwargs)
 
     def _track_autocast(self, n: fx.Node) -> None:
         """Follow recorded ``_enter_autocast(device, dtype, enabled, cache)`` / ``_exit_autocast`` pairs."""

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._subclasses import fake_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ampaudit.capture.opaque import plain, user_function
 from ampaudit.machine.kernels import kernel_gap
 
 # What a fake or meta kernel raises when it cannot know an op's output (no kernel, data-dependent shapes or values):
@@ -106,6 +107,16 @@ def raises_at_autocast_dtypes(interp, n: fx.Node, category: str | None) -> tuple
     return " ".join(str(exc).split())[:200], sorted(dtypes, key=lambda d: (d.itemsize, str(d)))
 
 
+def probeable(interp, n: fx.Node) -> bool:
+    """Whether a probe may run ``n`` for real: torch's ops and modules, never the user's own code (a wrapped
+    function or a user module kept as a leaf, whose Python may do anything on zeros)."""
+    if n.op == "call_function":
+        return not user_function(n.target)
+    if n.op == "call_module":
+        return type(interp.module.get_submodule(n.target)).__module__.startswith("torch.")
+    return True
+
+
 def _error(interp, n: fx.Node, args, kwargs) -> Exception | None:
     """What ``n`` raises on these inputs: its fake kernel, then (meta kernels do not all check dtypes; cross's
     does not) its real kernel on zeros; None when neither raises or no kernel can tell."""
@@ -125,7 +136,7 @@ def real_error(interp, n: fx.Node, args, kwargs, max_numel: int = _CONFIRM_NUMEL
     node is not an op (a higher-order operator, a placeholder).
     """
     if n.op not in ("call_module", "call_function", "call_method") or \
-            isinstance(n.target, torch._ops.HigherOrderOperator):
+            isinstance(n.target, torch._ops.HigherOrderOperator) or not probeable(interp, n):
         return None
     with fake_tensor.unset_fake_temporarily():
         module = interp.module.get_submodule(n.target) if n.op == "call_module" else None
@@ -139,7 +150,7 @@ def real_error(interp, n: fx.Node, args, kwargs, max_numel: int = _CONFIRM_NUMEL
                 return v
             return torch.zeros(v.shape, dtype=v.dtype, device="cpu" if v.device.type == "meta" else v.device)
 
-        args, kwargs = tree_map(real, (args, kwargs))
+        args, kwargs = tree_map(real, plain((args, kwargs)))
         try:
             if module is not None:
                 # A copy: a BatchNorm in training mode would update the user's running statistics.

@@ -4,7 +4,8 @@
     cap = capture_any(model, args, kwargs, mode="export")
 
 Every capture writes the same node meta (module path, user source line), so the analysis and rules never care
-which one ran. Only fx and export graphs can be rewritten by ``fix``.
+which one ran. Only fx graphs can be rewritten by ``fix``. The body of a function fx keeps opaque (torch.fx.wrap)
+is spliced in by propagation (``ampaudit.capture.opaque``); export and dispatch see through such functions.
 """
 from __future__ import annotations
 

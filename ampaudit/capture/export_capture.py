@@ -66,7 +66,9 @@ def _quiet():
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, autocast_dtype: torch.dtype | None):
-    with _quiet():
+    from ampaudit.capture.opaque import export_anchors
+
+    with _quiet(), export_anchors():
         return _export_loud(model, args, kwargs, autocast_dtype)
 
 

@@ -28,7 +28,7 @@ from ampaudit.wrappers import unwrap
 from ampaudit.rewrite.verify import runtime_device, verify_outputs
 
 KEEP_FP32_HINT = ("keep your eager model and run the flagged modules in fp32 with "
-                  "ampaudit.keep_fp32(model, ['module.path', ...])")
+                  "ampaudit.keep_fp32(model, ['module.path', ...]), or edit your source with ampaudit fix --diff")
 
 
 @dataclass
@@ -63,7 +63,8 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     work = copy.deepcopy(original)
     try:
         aud = audit(work, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
-                    target=target, capture_mode="fx", calibrate=calibrate, data=data, **kwargs)
+                    target=target, capture_mode="fx", calibrate=calibrate, data=data,
+                    specialize=False, **kwargs)
     except CaptureError as exc:
         raise CaptureError(f"cannot rewrite {type(original).__name__}: {exc.message}", hint=KEEP_FP32_HINT) from exc
     gm, policy = aud.capture.gm, aud.policy
@@ -73,6 +74,9 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     findings: list[Finding] = list(aud.report.findings)
     report = FixReport(target=target or type(original).__name__, policy=policy.describe(), before=aud.report,
                        calibrated=calibrate)
+    # What check audits only at the example inputs' shapes, a rewrite that must hold for every input leaves alone.
+    report.notes += [f"{note}; its body is left as written (ampaudit check audits it at the example inputs' "
+                     "shapes)" for note in aud.opaque]
     job = FixJob(gm=gm, work=work, aud=aud, findings=findings, report=report, select=select, ignore=ignore,
                  rules_dirs=rules_dirs)
     options = {"pad": pad}
@@ -128,7 +132,8 @@ def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, c
         v.notes.append(f"outputs compared under {device_type} autocast: the model's weights are on {device_type}, "
                        f"the target is {policy.device}")
     again = audit(fixed, *args, device=policy.device, dtype=policy.dtype_name, select=select, ignore=ignore,
-                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, data=data, **kwargs)
+                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, data=data,
+                  specialize=False, **kwargs)
     remaining = island_findings(again.report.findings)
     if padded:
         remaining += [f for f in of_kind(again.report.findings, "pad") if f.module in padded

@@ -103,6 +103,24 @@ def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]
     return [f for _, f in collected], suppressed
 
 
+def untraceable(text: str, module: str | None) -> str:
+    """``text`` (a fix or an instead) for a model torch.fx cannot capture: the graph rewrite's commands, which
+    refuse such a model, replaced by what runs on it (rules/policy/settings.toml [recommend.untraceable])."""
+    from ampaudit.policy import settings
+
+    name = module or "<module>"
+    for phrase, instead in settings().get("recommend", {}).get("untraceable", {}).items():
+        text = text.replace(phrase.format(module=name), instead.format(module=name))
+    return text
+
+
+def route_untraceable(findings: list[Finding]) -> None:
+    """Each finding's fix as :func:`untraceable` words it."""
+    for f in findings:
+        if f.fix:
+            f.fix = untraceable(f.fix, f.module)
+
+
 def relative_location(f: Finding, base: Path) -> None:
     """Rewrite the finding's file path relative to ``base`` when it lies below it (stable in reports and SARIF)."""
     if not f.location:

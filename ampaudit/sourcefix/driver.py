@@ -138,7 +138,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
         if file not in allowed:
             plan.refusals.append(Refusal(f.rule, file, f.location["line"], f.module,
                                          "the line is in an installed package, which fix never edits",
-                                         _library_instead(f, kind)))
+                                         _library_instead(f, kind, aud.capture.mode)))
             continue
         # One edit per line for the instances of one class (blocks.0.attn, blocks.1.attn); layers are their own.
         key = (f.rule, file, f.location["line"], f.op, str(f.details.get("dim")),
@@ -155,7 +155,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
             continue
         ctx = FixContext(finding=f, params=params, file=file, policy=aud.policy, source_for=source_for,
                          node=nodes.get(f.node) if f.node else None, nodes=nodes, model=model, inputs=inputs,
-                         allowed=lambda p: canon(str(Path(p).resolve())) in allowed)
+                         allowed=lambda p: canon(str(Path(p).resolve())) in allowed, capture=aud.capture.mode)
         out = fixers[kind].fn(ctx)
         if isinstance(out, Refusal):
             out.file = canon(str(Path(out.file).resolve())) if out.file else None
@@ -240,10 +240,14 @@ def _touches_ignored(src: Source, edit: Edit, names: tuple[str, ...]) -> bool:
     return False
 
 
-def _library_instead(f: Finding, kind: str) -> str:
+def _library_instead(f: Finding, kind: str, capture: str) -> str:
+    from ampaudit.rules.engine import untraceable
+
     if kind == "pad_to_multiple":
-        return "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad"
-    return keep_fp32_instead(f.module, " in your code,")
+        text = "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad"
+    else:
+        text = keep_fp32_instead(f.module, " in your code,")
+    return text if capture == "fx" else untraceable(text, f.module)
 
 
 def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -> dict:

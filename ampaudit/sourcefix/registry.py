@@ -73,6 +73,7 @@ class FixContext:
     model: Any = None                            # the user's model (an nn.Module)
     inputs: dict = field(default_factory=dict)   # module path -> ModuleInputs (the fp32_module fixer's probe)
     allowed: Callable[[str], bool] = lambda file: True   # may this file be edited (the findings' own files)
+    capture: str = "fx"                          # how the audit captured the model (only fx graphs are rewritten)
 
     @property
     def src(self) -> Source:
@@ -95,6 +96,10 @@ class FixContext:
 
     def refuse(self, reason: str, instead: str) -> Refusal:
         loc = self.finding.location or {}
+        if self.capture != "fx":
+            from ampaudit.rules.engine import untraceable
+
+            instead = untraceable(instead, self.finding.module)
         return Refusal(self.finding.rule, loc.get("file"), loc.get("line"), self.finding.module, reason, instead)
 
 

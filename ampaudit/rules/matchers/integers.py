@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.capture.opaque import user_function
 from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
@@ -60,8 +61,8 @@ def _static(arg: Any, values: dict, shape_only: bool):
 
 
 def _run(node: fx.Node, values: dict, shape_only: bool) -> torch.Tensor:
-    if node.op not in ("call_function", "call_method"):
-        raise _NoFold  # a module's forward is not re-run on folded values
+    if node.op not in ("call_function", "call_method") or user_function(node.target):
+        raise _NoFold  # a module's forward, or the user's own function, is not re-run on folded values
     args = tree_map(lambda a: _static(a, values, shape_only), node.args)
     kwargs = {k: tree_map(lambda a: _static(a, values, shape_only), v) for k, v in node.kwargs.items()
               if k not in _PLACEMENT}
