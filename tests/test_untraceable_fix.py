@@ -39,7 +39,9 @@ def test_every_command_the_nanogpt_report_recommends_runs(device, tmp_path):
     for sub, opts in cmds:
         run = runner.invoke(app, [sub, NANOGPT, *opts.split(), "--device", device])
         assert run.exit_code == 0, run.output
-        assert "not fixed: AMP101" in run.output and "fix --pad" not in run.output and "-o DIR" not in run.output
+        assert "fix --pad" not in run.output and "-o DIR" not in run.output
+        # On a CPU target alignment is an info (no Tensor Cores), which the source fix leaves without a word.
+        assert ("not fixed: AMP101" in run.output) == (device == "cuda"), run.output
     # The graph rewrite itself still refuses the model, and says what runs instead.
     refused = runner.invoke(app, ["fix", NANOGPT, "--pad", "-o", str(tmp_path / "out"), "--device", device])
     assert refused.exit_code == 2 and "ampaudit fix --diff" in refused.output
