@@ -290,14 +290,36 @@ def divergence_table(data: TraceData, threshold: float) -> dict[str, list[dict]]
     return tables
 
 
-def first_jump(data: TraceData, threshold: float) -> dict | None:
-    """Where the accumulated (global) error first crosses ``threshold``: the earliest check, and in it the
-    first module to finish (innermost first) past it; None when no module does."""
-    for d in data.divergence:
-        v = d["rel_l2"]
-        if d["scope"] == "global" and d["module"] and v is not None and not (v < threshold):
-            return {"module": d["module"], "step": d["step"], "rel_l2": v}
-    return None
+def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: str | None) -> list:
+    """The flagged modules of the ranked scope (:func:`ampaudit.runtime.attribution.culprits` on each module's
+    worst value): the verdict ``check --calibrate`` gives. Own errors (scope "local") are judged on their own;
+    other scopes accumulate from the input on and are judged as inherited (a module below explains its parents)."""
+    from ampaudit.runtime.attribution import culprits
+
+    if scope is None:
+        return []
+    worst = {r["module"]: r["max_rel_l2"] for r in tables.get(scope, [])}
+    return culprits(worst, data.meta.get("dtype"), inherited=scope != "local")
+
+
+def rank_by_verdict(rows: list[dict], found: list) -> list[dict]:
+    """``rows`` (one scope of :func:`divergence_table`) with each culprit's verdict, culprits first in their rank."""
+    by_name = {c.module: c for c in found}
+    for r in rows:
+        c = by_name.get(r["module"])
+        r["verdict"] = None if c is None else {"rule": c.rule, "severity": c.severity, "rank": c.rank,
+                                                "units": c.units, "ratio": c.ratio, "why": c.why}
+    return sorted(rows, key=lambda r: (by_name[r["module"]].rank if r["module"] in by_name else math.inf,
+                                       _worst_first(r)))
+
+
+def first_jump(data: TraceData, found: list, scope: str | None) -> dict | None:
+    """Where the error first shows: the earliest check in which a culprit's value in ``scope`` is past the line
+    that flagged it, and in that check the first such culprit to finish (innermost first); None without culprits."""
+    from ampaudit.runtime.attribution import first_crossing
+
+    return first_crossing(found, ((d["module"], d["step"], d["rel_l2"]) for d in data.divergence
+                                  if d["scope"] == scope))
 
 
 def headroom_table(data: TraceData) -> list[dict]:
@@ -352,6 +374,9 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     # Own error is judged against the run's dtype: 1.6% is a fault in fp16 and rounding noise in bf16.
     high = divergence_thresholds(data.meta.get("dtype"))[0]
     tables = divergence_table(data, high)
+    found = divergence_culprits(data, tables, scope)
+    if scope:
+        tables[scope] = rank_by_verdict(tables[scope], found)
     headroom = headroom_table(data)
     summary: dict[str, Any] = {
         "version": SUMMARY_VERSION,
@@ -366,7 +391,8 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "divergence": {"scope": scope, "modules": len(tables.get(scope, [])) if scope else 0,
                        "top": tables.get(scope, [])[:top] if scope else [],
                        "grad_top": tables.get("grad", [])[:top], "threshold": high,
-                       "first_jump": first_jump(data, high)},
+                       "culprits": [c.as_dict() for c in found],
+                       "first_jump": first_jump(data, found, scope)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
@@ -377,8 +403,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "unknown_events": data.unknown,
     }
     # Advice looks at every module, not only the top rows shown.
-    summary["recommendations"] = recommend(summary, data, all_divergence=tables.get(scope, []) if scope else [],
-                                           all_headroom=headroom, findings=findings)
+    summary["recommendations"] = recommend(summary, data, culprits=found, all_headroom=headroom, findings=findings)
     return jsonable(summary)
 
 

@@ -22,6 +22,12 @@ the eval batches or null), ``preflight`` (the trainer's checks: ``checks: [{name
 in the trainer's ``meta``, ``lr_policy`` (warmup_steps, scale, base_batch, micro_batch, effective_batch, factor),
 ``fsdp`` and ``compile``. A version-1 trace is a version-2 trace without them, so readers take both; a reader of
 version 1 skips the new kinds as unknown. New kinds are additive: a reader skips kinds it does not know.
+
+Version 3 adds ``divergence`` events of scope ``local`` for composite modules and the root (no new field): a
+module's own error at every depth, a composite's measured with the submodules it calls computed in FP32 (see
+:mod:`ampaudit.runtime.divergence`), on the checks ``composite_divergence_every`` picks. A version-2 trace holds
+``local`` events for leaf modules only, with the same meaning; the report judges both the same way
+(:mod:`ampaudit.runtime.attribution`), so in a version-2 trace no composite can be named.
 """
 from __future__ import annotations
 
