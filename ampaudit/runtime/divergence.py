@@ -13,19 +13,14 @@ Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR 
 (b is the FP32 reference):
 - ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
 - ``local``: the module's *own* error: the module alone under autocast, fed the shadow's FP32 inputs rounded
-  to the dtypes its inputs had in the real (autocast) run, against its FP32 output: the error this module adds
-  by itself, on the inputs it really receives. (Fed FP32 inputs, a module that computes in bf16 only *because
-  bf16 arrives* would run in fp32 and read 0.) For a composite (a module with submodules, the root included)
-  the re-run computes every submodule it calls in FP32 (autocast off, inputs upcast) and hands the composite
-  that result rounded to the dtype the submodule's output had in the real run: what remains is the error of
-  the composite's own code (the arithmetic between and around its children, on the dtypes it really sees),
-  so a parent never inherits a child's fault and a child never hides its parent's. The re-run of a
-  composite costs an FP32 forward of its subtree (one forward per nesting level in all), which is why
-  ``begin(composites=False)`` skips it on a check (``watch`` runs it on a share of its checks). Run right
-  after the module's shadow call, with the RNG state its shadow call saw (same dropout masks); skipped for
-  modules whose inputs were modified in place by their own forward. ``local="leaves"`` limits it to modules
-  without children. Modules in ``AUTOCAST_NEUTRAL`` (exact types whose ops autocast never lowers) that the
-  real run fed fp32 get their zero result without the re-run.
+  to the dtypes its inputs had in the real run (fed FP32, a module that computes in bf16 only *because bf16
+  arrives* would read 0), against its FP32 output. A composite (the root too) is re-run with the submodules it
+  calls computed in FP32 and handed back rounded to their real dtypes (:mod:`ampaudit.runtime.own_rerun`): the
+  error of its own code, so a parent never inherits a child's fault. That costs an FP32 forward of its subtree,
+  so ``begin(composites=...)`` picks which composites a check re-runs; ``local="leaves"`` keeps leaves only.
+  Run right after the module's shadow call, with the RNG state it saw (same dropout masks); skipped for
+  modules whose inputs their own forward modified in place. Modules in ``AUTOCAST_NEUTRAL`` (exact types
+  whose ops autocast never lowers) that the real run fed fp32 get their zero result without the re-run.
 - ``grad``: per parameter, the real gradient against the FP32 one, obtained by pushing the *same* upstream
   gradient (d loss / d output, captured during the real backward) through the FP32 graph, so the loss
   function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
@@ -44,13 +39,13 @@ import torch
 import torch.nn as nn
 
 from torch.nn.modules.module import register_module_forward_hook
-from torch.utils._pytree import tree_map
 
 from ampaudit.notes import note
 from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
+from ampaudit.runtime.own_rerun import ChildrenInFP32
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -98,10 +93,7 @@ class DivergenceProbe:
         self._grad_handles: list[Any] = []
         self._real_grads: dict[str, torch.Tensor] = {}
         self._in_local = False
-        self._own_of: nn.Module | None = None       # the composite whose own code is being re-run
-        self._fp32_child: tuple[nn.Module, Any] | None = None   # (submodule computing in FP32, its context)
-        # id(tensor handed to the composite rounded) -> (that tensor, its FP32 value), for the re-run under way
-        self._fp32_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._own = ChildrenInFP32(device_type, self.names)     # a composite's re-run: its children in FP32
         self._range: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._restore_buffers: Any = None          # set by a gradient-scope shadow until ``grads``
         self._reset()
@@ -242,7 +234,7 @@ class DivergenceProbe:
 
     def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._in_local:
-            return self._child_to_fp32(mod, args, kwargs)
+            return self._own.pre(mod, args, kwargs)
         if not self._own_mod(mod):
             return None
         if mod in self._neutral and not self._low_fed(self.names[mod], self._calls.get(self.names[mod], 0)):
@@ -256,7 +248,7 @@ class DivergenceProbe:
 
     def _shadow_post(self, mod: nn.Module, args: Any, out: Any) -> Any:
         if self._in_local:
-            return self._child_from_fp32(mod, out)
+            return self._own.post(mod, out)
         name = self.names.get(mod)
         if name is None or not self._in_shadow:
             return None
@@ -309,49 +301,6 @@ class DivergenceProbe:
                          f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
         return None
 
-    # --- a composite's own re-run: the submodules it calls compute in FP32 -------------------------------
-    def _child_to_fp32(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
-        # Outermost submodule called by the composite under re-run: autocast off until its forward returns
-        # (``_child_from_fp32``); what it calls in turn runs inside that FP32 region untouched.
-        if self._own_of is None or mod is self._own_of or self._fp32_child is not None:
-            return None
-        ctx = torch.autocast(self.device_type, enabled=False)
-        ctx.__enter__()
-        self._fp32_child = (mod, ctx)
-        return tree_map(self._as_fp32, args), tree_map(self._as_fp32, kwargs)
-
-    def _as_fp32(self, t: Any) -> Any:
-        # A tensor the composite passes on untouched (its own input, a child's output) reaches the next child as
-        # its FP32 value: rounding at that boundary is the receiver's own error (it is fed rounded inputs in its
-        # own re-run), not the composite's. What the composite computed itself stays as it computed it.
-        if not isinstance(t, torch.Tensor):
-            return t
-        pair = self._fp32_of.get(id(t))
-        return pair[1] if pair is not None and pair[0] is t else upcast(t)
-
-    def _child_from_fp32(self, mod: nn.Module, out: Any) -> Any:
-        child = self._fp32_child
-        if child is None or child[0] is not mod:
-            return None
-        self._leave_fp32_child()
-        # Handed back in the dtype the real run gave it: the composite's own ops see what they really saw.
-        dtypes = self._out_dtypes.get(self.names.get(mod, ""))
-        if not dtypes:
-            return None
-        rounded = rounded_to((out,), dtypes)[0]
-        self._remember_fp32(rounded, out)
-        return rounded
-
-    def _remember_fp32(self, rounded: Any, fp32: Any) -> None:
-        for r, f in zip(float_tensors(rounded), float_tensors(fp32)):
-            if r is not f:
-                self._fp32_of[id(r)] = (r, f)
-
-    def _leave_fp32_child(self) -> None:
-        child, self._fp32_child = self._fp32_child, None
-        if child is not None:
-            child[1].__exit__(None, None, None)
-
     def _low_fed(self, name: str, call: int) -> bool:
         # A neutral module fed fp32 stays fp32 (own error 0 without a re-run); fed fp16/bf16 it computes there.
         dtypes = self._in_dtypes.get(name, [])
@@ -365,17 +314,14 @@ class DivergenceProbe:
         for d, s in cuda_state.items():
             torch.cuda.set_rng_state(s, d)
         self._in_local = True
-        self._own_of = mod if mod in self._composites else None
-        if self._own_of is not None:
-            self._remember_fp32(args, fp32)
+        if mod in self._composites:
+            self._own.start(mod, args, fp32, self._out_dtypes)
         try:
             with torch.no_grad(), torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
                 lo = mod(*args, **kwargs)
         finally:
-            self._leave_fp32_child()      # a submodule that raised left its FP32 region open
+            self._own.stop()
             self._in_local = False
-            self._own_of = None
-            self._fp32_of.clear()
             torch.set_rng_state(now)
             for d, s in now_cuda.items():
                 torch.cuda.set_rng_state(s, d)
