@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from ampaudit.report.grad_hist_plot import grad_hist_figure
 from ampaudit.report.html_eval import eval_figure
 from ampaudit.report.trace_advice import THRESHOLDS
-from ampaudit.report.trace_summary import (TraceData, divergence_culprits, divergence_table, headroom_table,
-                                           rank_by_verdict)
+from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, rank_by_verdict
+from ampaudit.report.trace_summary import TraceData, headroom_table
 
 # Heatmap and bar charts stay readable up to this many modules; the worst ones are kept.
 MAX_MODULES = 40
