@@ -85,13 +85,19 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2
 
 
-def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float]:
-    """(warning, error) relative-L2 thresholds of a module's own error in ``dtype``: multiples of its unit
-    roundoff (rules/policy/settings.toml [calibration]); fp16 when the dtype is unknown or not 16-bit."""
+def low_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype`` (or its name) as the 16-bit float dtype errors are judged in; fp16 when unknown or not 16-bit."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize >= 4:
-        dtype = torch.float16
+        return torch.float16
+    return dtype
+
+
+def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float]:
+    """(warning, error) relative-L2 thresholds of a module's own error in ``dtype``: multiples of its unit
+    roundoff (rules/policy/settings.toml [calibration]); fp16 when the dtype is unknown or not 16-bit."""
+    dtype = low_dtype(dtype)
     cfg, u = settings()["calibration"], unit_roundoff(dtype)
     return cfg["divergence_warning_u"] * u, cfg["divergence_error_u"] * u
 

@@ -5,7 +5,8 @@
 
 Two copies of the model train side by side, step by step: one under ``watch(stats=False)`` (the per-pass flag
 only), one under ``watch(stats=False, divergence_every=5)`` with a single scope set: ``global`` (no local
-re-runs, no gradients), ``local`` (global + local) or ``grad`` (all three). The extra CPU time of the second
+re-runs, no gradients), ``local`` (global + the leaves' own errors), ``composite`` (global + every module's own
+error: the composites re-run with their children in FP32) or ``grad`` (all of them and the FP32 backward). The extra CPU time of the second
 loop, divided by its number of checks, is the cost of one check; a third variant, ``fp32``, replaces the check
 by a bare FP32 forward of the same batch at the same point (after backward, before the optimizer step) for
 comparison. Each figure is the median of ``--repeat`` runs.
@@ -31,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from ampaudit.loading import load_target
 from ampaudit.runtime.watch import watch
 
-SCOPES = {"global": (None, None), "local": (None, 1), "grad": (1, 1)}
+# (grad_divergence_every, local_divergence_every, composite_divergence_every) of each variant
+SCOPES = {"global": (None, None, None), "local": (None, 1, None), "composite": (None, 1, 1), "grad": (1, 1, 1)}
 EVERY = 5
 
 
@@ -57,10 +59,11 @@ def check_cost(loaded, data: list, variant: str, dtype, steps: int) -> float:
     if variant == "fp32":
         watches = (watch(base, dtype=dtype, stats=False), watch(probe, dtype=dtype, stats=False))
     else:
-        grad_every, local_every = SCOPES[variant]
+        grad_every, local_every, composite_every = SCOPES[variant]
         watches = (watch(base, dtype=dtype, stats=False),
                    watch(probe, dtype=dtype, stats=False, divergence_every=EVERY,
-                         grad_divergence_every=grad_every, local_divergence_every=local_every))
+                         grad_divergence_every=grad_every, local_divergence_every=local_every,
+                         composite_divergence_every=composite_every))
     spent, checks = [0.0, 0.0], 0
     try:
         for i in range(steps):
@@ -114,7 +117,7 @@ def main() -> int:
     print(f"target {loaded.display}  autocast cpu bfloat16  threads {torch.get_num_threads()}  "
           f"{args.steps} steps per run, {args.repeat} runs")
     print(f"{'check':<10}{'extra ms':>10}  runs")
-    for variant in ("global", "local", "grad", "fp32"):
+    for variant in ("global", "local", "composite", "grad", "fp32"):
         runs = [check_cost(loaded, data, variant, dtype, args.steps) for _ in range(args.repeat)]
         label = variant if variant != "fp32" else "fp32 fwd"
         print(f"{label:<10}{statistics.median(runs):>10.2f}  " + " ".join(f"{r:.2f}" for r in runs))

@@ -141,6 +141,8 @@ def main() -> int:
                     help="watch(grad_divergence_every=...) in checks; default: watch's")
     ap.add_argument("--local-divergence-every", type=int, default=None,
                     help="watch(local_divergence_every=...) in checks; default: watch's")
+    ap.add_argument("--composite-divergence-every", type=int, default=None,
+                    help="watch(composite_divergence_every=...) in checks; default: watch's")
     ap.add_argument("--stats-every", type=int, default=None, help="watch(stats_every=...); default: watch's")
     args = ap.parse_args()
     if args.threads:
@@ -153,7 +155,8 @@ def main() -> int:
     data = batches(train_data, args.warmup + args.steps)
     sampling = {} if args.stats_every is None else {"stats_every": args.stats_every}
     schedule = {k: v for k, v in (("grad_divergence_every", args.grad_divergence_every),
-                                  ("local_divergence_every", args.local_divergence_every)) if v is not None}
+                                  ("local_divergence_every", args.local_divergence_every),
+                                  ("composite_divergence_every", args.composite_divergence_every)) if v is not None}
     configs = {"none": None, "flag": {"stats": False}, "stats": {"every": 50, **sampling},
                "divergence": {"stats": False, "divergence_every": args.divergence_every, **schedule},
                "both": {"every": 50, "divergence_every": args.divergence_every, **sampling, **schedule},

@@ -42,6 +42,9 @@ def test_page_is_self_contained(run_page):
     summary = json.loads(re.search(r"id='ampaudit-summary'>(.*?)</script>", page, re.S).group(1))
     assert summary["first_nonfinite"]["module"] == "blocks.1.attn"
     assert "ampaudit.keep_fp32(model, [&quot;blocks.1.attn&quot;])" in page
+    # The divergence heatmap ranks the culprit first and says so, as the terminal table does.
+    assert summary["divergence"]["culprits"][0]["module"] == "blocks.1.attn"
+    assert "blocks.1.attn (culprit #1)" in page
 
 
 def test_page_mode_is_not_private(run_page):

@@ -88,7 +88,7 @@ def test_autocast_neutral_modules_get_the_local_result_a_rerun_would_give(monkey
 
     div, _ = _loop(first_in_line(), 1, divergence_every=1)
     shortcut = {e["module"]: e for e in div if e["scope"] == "local"}
-    assert set(shortcut) == {"0", "1", "2", "3"}
+    assert set(shortcut) == {"", "0", "1", "2", "3"}        # the root's own code too (check 0 has composites)
     for name in ("0", "1", "2"):
         assert shortcut[name]["rel_l2"] == 0.0 and shortcut[name]["max_abs"] == 0.0
         assert shortcut[name]["cosine"] == 1.0 and shortcut[name]["sqnr_db"] == math.inf

@@ -17,7 +17,8 @@ from ampaudit.report.grad_hist_plot import grad_hist_figure
 from ampaudit.report.html_eval import eval_figure
 from ampaudit.report.html_precursors import precursor_figure
 from ampaudit.report.trace_advice import THRESHOLDS
-from ampaudit.report.trace_summary import TraceData, divergence_table, headroom_table
+from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, rank_by_verdict
+from ampaudit.report.trace_summary import TraceData, headroom_table
 
 # Heatmap and bar charts stay readable up to this many modules; the worst ones are kept.
 MAX_MODULES = 40
@@ -142,8 +143,11 @@ def divergence_figure(data: TraceData) -> go.Figure | None:
     scope = data.divergence_scope()
     if scope is None:
         return None
-    ranked = divergence_table(data, threshold=math.inf)[scope][:MAX_MODULES]
+    tables = divergence_table(data, threshold=math.inf)
+    # The culprits first, as the report's table ranks them (ampaudit.runtime.attribution), then the rest.
+    ranked = rank_by_verdict(tables[scope], divergence_culprits(data, tables, scope))[:MAX_MODULES]
     modules = [r["module"] for r in ranked]
+    flagged = {r["module"]: r["verdict"] for r in ranked if r.get("verdict")}
     steps = sorted({d["step"] for d in data.divergence if d["scope"] == scope and d["step"] is not None})
     if not modules or not steps:
         return None
@@ -161,7 +165,8 @@ def divergence_figure(data: TraceData) -> go.Figure | None:
     if all(v is None for zrow in z for v in zrow):
         return None
     fig = go.Figure(go.Heatmap(
-        z=z, x=steps, y=[m or "<top>" for m in modules], text=text, colorscale="YlOrRd", zmin=-4, zmax=0,
+        z=z, x=steps, y=[(m or "<top>") + (f" (culprit #{flagged[m]['rank']})" if m in flagged else "")
+                         for m in modules], text=text, colorscale="YlOrRd", zmin=-4, zmax=0,
         hovertemplate="step %{x}<br>%{y}<br>rel_l2 %{text}<extra></extra>",
         colorbar=dict(title=dict(text="log10 rel_l2"), tickvals=[-4, -3, -2, -1, 0],
                       ticktext=["1e-4", "1e-3", "0.01", "0.1", "1"])))

@@ -60,7 +60,7 @@ def load_findings(path: str | os.PathLike) -> list[dict]:
     return [f for f in findings if isinstance(f, dict)]
 
 
-def _evidence(summary: dict, data: Any, all_divergence: list[dict], all_headroom: list[dict]) -> dict[str, list]:
+def _evidence(summary: dict, data: Any, culprits: list, all_headroom: list[dict]) -> dict[str, list]:
     """Module -> what the run saw there, strongest first. Modules named by ``skip`` events are not evidence on
     their own: a dynamic scaler overflows on purpose each time it probes a higher scale."""
     t = THRESHOLDS
@@ -84,12 +84,12 @@ def _evidence(summary: dict, data: Any, all_divergence: list[dict], all_headroom
         if bits is not None and bits < t["low_headroom_bits"]:
             ev.setdefault(row["module"], []).append(
                 f"forward headroom {_bits(bits)} at step {row['forward_step']}")
-    high = summary["divergence"]["threshold"]      # judged against the run's dtype when the summary was built
-    for row in all_divergence:
-        v = row["max_rel_l2"]
-        if v is not None and not (v < high):
-            ev.setdefault(row["module"], []).append(
-                f"{row['scope']} rel_l2 {v:.3g} vs FP32 at step {row['max_step']}")
+    scope = summary["divergence"]["scope"]
+    for c in culprits:             # the verdict of ampaudit.runtime.attribution, as check --calibrate gives it
+        at = next((r["max_step"] for r in summary["divergence"]["top"] if r["module"] == c.module), None)
+        where = f" at step {at}" if at is not None else ""
+        ev.setdefault(c.module, []).append(f"{'own' if scope == 'local' else scope} rel_l2 {c.rel_l2:.3g} vs FP32"
+                                           f"{where}: {c.why}")
     return ev
 
 
@@ -214,13 +214,13 @@ def _confirmed(findings: list[dict], evidence: dict[str, list[str]]) -> dict | N
             "message": f"the run confirmed {len(confirmed)} of {len(findings)} check findings: {names}"}
 
 
-def recommend(summary: dict, data: Any, *, all_divergence: list[dict], all_headroom: list[dict],
+def recommend(summary: dict, data: Any, *, culprits: list, all_headroom: list[dict],
               findings: list[dict] | None = None) -> list[dict]:
     """Recommendations for a summary (see module doc), most severe first."""
     from ampaudit.report.grad_hist import grad_hist_advice  # it reads the summary module, which imports this one
     from ampaudit.report.trace_decisions import decision_advice, decision_evidence  # they read trace_summary
 
-    evidence = _evidence(summary, data, all_divergence, all_headroom)
+    evidence = _evidence(summary, data, culprits, all_headroom)
     # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
     confirming = {**evidence}
     for module, seen in decision_evidence(summary).items():

@@ -69,13 +69,24 @@ def _run_lines(s: dict) -> list[tuple[str, str]]:
 def _divergence_table(div: dict) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col, just in (("module", "left"), ("max rel_l2", "right"), ("at step", "right"), ("last", "right"),
-                      ("min SQNR dB", "right"), (f"above {div.get('threshold', 0.05):.3g} from", "right")):
+                      ("min SQNR dB", "right"), (f"above {div.get('threshold', 0.05):.3g} from", "right"),
+                      ("verdict", "left")):
         t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
     for r in div["top"]:
         t.add_row(escape(r["module"] or "<top>"), fmt(r["max_rel_l2"]), str(r["max_step"] or "-"),
                   fmt(r["last_rel_l2"]), fmt(r["min_sqnr_db"], ".1f"),
-                  f"step {r['drift_step']}" if r["drift_step"] is not None else "-")
+                  f"step {r['drift_step']}" if r["drift_step"] is not None else "-", _verdict(r.get("verdict")))
     return t
+
+
+def _verdict(v: dict | None) -> str:
+    # The attribution's verdict (ampaudit.runtime.attribution): which line the module's own error crossed.
+    if not v:
+        return "-"
+    style = "red" if v["severity"] == "error" else "yellow"
+    what = {"nonfinite": "inf/NaN", "absolute": f"{fmt(v['units'], '.0f')} u",
+            "relative": f"{fmt(v['ratio'], '.0f')}x the model's median"}.get(v["rule"], v["rule"])
+    return f"[{style}]culprit #{v['rank']}[/]: {what}"
 
 
 def _headroom_table(hr: dict) -> Table:
@@ -190,8 +201,9 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         c.print(_divergence_table(div))
         jump = div.get("first_jump")
         if jump:
-            c.print(f"  the accumulated error first crosses {div['threshold']:.3g} at [bold]{escape(jump['module'])}[/]"
-                    f" (step {jump['step']}, rel_l2 {jump['rel_l2']:.3g})")
+            what = "own error" if div["scope"] == "local" else f"{div['scope']} error"
+            c.print(f"  the error first shows at [bold]{escape(jump['module'] or '<top>')}[/] (step {jump['step']}, "
+                    f"{what} {fmt(jump['rel_l2'], '.3g')}, past its {escape(str(jump.get('rule') or 'line'))} line)")
     hr = summary["headroom"]
     if hr["top"]:
         dtype = meta.get("dtype") or "dtype"

@@ -277,49 +277,6 @@ def _nonfinite_summary(data: TraceData) -> tuple[dict | None, dict]:
              "skip_modules": dict(sorted(skip_modules.items(), key=lambda kv: -kv[1]))})
 
 
-def _worst_first(row: dict) -> tuple[int, float]:
-    # NaN is the worst a comparison can get; rows without any rel_l2 go last.
-    v = row["max_rel_l2"]
-    if v is None:
-        return (2, 0.0)
-    return (0, 0.0) if math.isnan(v) else (1, -v)
-
-
-def divergence_table(data: TraceData, threshold: float) -> dict[str, list[dict]]:
-    """Per scope, one row per module (per parameter for "grad"): worst/last rel_l2, when it first passed
-    ``threshold``, lowest cosine and SQNR; rows sorted worst first."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for d in data.divergence:
-        key = (d["param"] or d["module"]) if d["scope"] == "grad" else d["module"]
-        groups.setdefault((d["scope"], key), []).append(d)
-    tables: dict[str, list[dict]] = {}
-    for (scope, _key), rows in groups.items():
-        rel = [(r["step"], r["rel_l2"]) for r in rows if r["rel_l2"] is not None]
-        worst = max(rel, key=lambda sr: sr[1] if not math.isnan(sr[1]) else math.inf, default=(None, None))
-        cos = [r["cosine"] for r in rows if r["cosine"] is not None and not math.isnan(r["cosine"])]
-        sqnr = [r["sqnr_db"] for r in rows if r["sqnr_db"] is not None and not math.isnan(r["sqnr_db"])]
-        drift = next((st for st, v in rel if not (v < threshold)), None)  # NaN counts as drifted
-        tables.setdefault(scope, []).append({
-            "module": rows[0]["module"], "param": rows[0]["param"], "scope": scope, "samples": len(rows),
-            "max_rel_l2": worst[1], "max_step": worst[0],
-            "first_rel_l2": rel[0][1] if rel else None, "last_rel_l2": rel[-1][1] if rel else None,
-            "min_cosine": min(cos) if cos else None, "min_sqnr_db": min(sqnr) if sqnr else None,
-            "drift_step": drift})
-    for rows in tables.values():
-        rows.sort(key=_worst_first)
-    return tables
-
-
-def first_jump(data: TraceData, threshold: float) -> dict | None:
-    """Where the accumulated (global) error first crosses ``threshold``: the earliest check, and in it the
-    first module to finish (innermost first) past it; None when no module does."""
-    for d in data.divergence:
-        v = d["rel_l2"]
-        if d["scope"] == "global" and d["module"] and v is not None and not (v < threshold):
-            return {"module": d["module"], "step": d["step"], "rel_l2": v}
-    return None
-
-
 def headroom_table(data: TraceData) -> list[dict]:
     """One row per module: the least headroom (bits below the dtype's max) seen per phase and when; inf, NaN and
     above-max counts; passes with non-finite output; the largest subnormal fraction. Least headroom (forward
@@ -355,6 +312,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     """The summary dict of a run. ``findings`` (from ``ampaudit check --format json``) lets the
     recommendations name the check findings the run confirmed. ``top`` bounds the module tables."""
     from ampaudit.policy import divergence_thresholds
+    from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, first_jump, rank_by_verdict
     from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
     from ampaudit.report.grad_hist import grad_hist_summary
     from ampaudit.report.trace_decisions import decision_summary
@@ -375,6 +333,9 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     # Own error is judged against the run's dtype: 1.6% is a fault in fp16 and rounding noise in bf16.
     high = divergence_thresholds(data.meta.get("dtype"))[0]
     tables = divergence_table(data, high)
+    found = divergence_culprits(data, tables, scope)
+    if scope:
+        tables[scope] = rank_by_verdict(tables[scope], found)
     headroom = headroom_table(data)
     summary: dict[str, Any] = {
         "version": SUMMARY_VERSION,
@@ -389,7 +350,8 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "divergence": {"scope": scope, "modules": len(tables.get(scope, [])) if scope else 0,
                        "top": tables.get(scope, [])[:top] if scope else [],
                        "grad_top": tables.get("grad", [])[:top], "threshold": high,
-                       "first_jump": first_jump(data, high)},
+                       "culprits": [c.as_dict() for c in found],
+                       "first_jump": first_jump(data, found, scope)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
@@ -403,8 +365,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
         "unknown_events": data.unknown,
     }
     # Advice looks at every module, not only the top rows shown.
-    summary["recommendations"] = recommend(summary, data, all_divergence=tables.get(scope, []) if scope else [],
-                                           all_headroom=headroom, findings=findings)
+    summary["recommendations"] = recommend(summary, data, culprits=found, all_headroom=headroom, findings=findings)
     return jsonable(summary)
 
 

@@ -20,8 +20,8 @@ def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *
     """One forward under ``torch.autocast(device_type, dtype)`` against an FP32 forward, per module.
 
     Returns one row per module in execution order: ``module``; global ``rel_l2``, ``cosine``, ``max_abs``,
-    ``sqnr_db``; the same prefixed ``local_`` (module alone on its inputs as the autocast run had them; absent for
-    the root); and from the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
+    ``sqnr_db``; the same prefixed ``local_`` (the module's own error: alone on its inputs as the autocast run had
+    them, a composite, the root included, with the submodules it calls computed in FP32); and from the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
     (values above the dtype's max), ``underflow_share`` (share of nonzero values below its smallest normal)
     and ``flush_share`` (share that would round to zero). Buffers and RNG are left as they were.
     """

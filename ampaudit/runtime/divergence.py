@@ -12,15 +12,15 @@ FP32 backward from the captured upstream gradient), ``events`` (one host read), 
 Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR = 20 log10(|b|/|a-b|)
 (b is the FP32 reference):
 - ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
-- ``local``: the module alone under autocast, fed the shadow's FP32 inputs rounded to the dtypes its inputs
-  had in the real (autocast) run, against its FP32 output: the error this module adds by itself, on the inputs
-  it really receives. (Fed FP32 inputs, a module that computes in bf16 only *because bf16 arrives* would run in
-  fp32 and read 0.) Run right after the module's shadow call, with the RNG state its shadow
-  call saw (same dropout masks); skipped for the root (equal to global) and for modules whose inputs were
-  modified in place by their own forward. ``local="leaves"`` (what ``watch`` uses) limits it to modules
-  without children: one extra forward's worth of work instead of one per nesting level. Modules in
-  ``AUTOCAST_NEUTRAL`` (exact types whose ops autocast never lowers) that the real run fed fp32 get their zero
-  result without the re-run.
+- ``local``: the module's *own* error: the module alone under autocast, fed the shadow's FP32 inputs rounded
+  to the dtypes its inputs had in the real run (fed FP32, a module that computes in bf16 only *because bf16
+  arrives* would read 0), against its FP32 output. A composite (the root too) is re-run with the submodules it
+  calls computed in FP32 and handed back rounded to their real dtypes (:mod:`ampaudit.runtime.own_rerun`): the
+  error of its own code, so a parent never inherits a child's fault. That costs an FP32 forward of its subtree,
+  so ``begin(composites=...)`` picks which composites a check re-runs; ``local="leaves"`` keeps leaves only.
+  Run right after the module's shadow call, with the RNG state it saw (same dropout masks); skipped for
+  modules whose inputs their own forward modified in place. Modules in ``AUTOCAST_NEUTRAL`` (exact types
+  whose ops autocast never lowers) that the real run fed fp32 get their zero result without the re-run.
 - ``grad``: per parameter, the real gradient against the FP32 one, obtained by pushing the *same* upstream
   gradient (d loss / d output, captured during the real backward) through the FP32 graph, so the loss
   function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
@@ -45,6 +45,7 @@ from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
+from ampaudit.runtime.own_rerun import ChildrenInFP32
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -82,15 +83,17 @@ class DivergenceProbe:
         self.device_type, self.dtype = device_type, dtype
         self.local, self.ranges = local, ranges
         leaves = {m for m in self.names if next(m.children(), None) is None}
-        # local=True: every module but the root; "leaves": modules without children (one forward's worth
-        # of work instead of one per nesting level).
-        self._local_mods = (leaves if local == "leaves" else set(self.names) - {self.root}) if local else set()
+        # local=True: every module, the root too (a composite's own code, children in FP32); "leaves":
+        # modules without children (one forward's worth of work instead of one per nesting level).
+        self._local_mods = (leaves if local == "leaves" else set(self.names)) if local else set()
+        self._composites = self._local_mods - leaves
         self._neutral = ({m for m in self._local_mods if type(m) in AUTOCAST_NEUTRAL}
                          if device_type in _NEUTRAL_DEVICES else set())
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
         self._real_grads: dict[str, torch.Tensor] = {}
         self._in_local = False
+        self._own = ChildrenInFP32(device_type, self.names)     # a composite's re-run: its children in FP32
         self._range: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._restore_buffers: Any = None          # set by a gradient-scope shadow until ``grads``
         self._reset()
@@ -115,12 +118,18 @@ class DivergenceProbe:
         self.active = self._recorded = False
         self._param_versions, self._param_names = [], {}
         self._run_local_now = bool(self._local_mods)
+        self._composites_now = set(self._composites)
+        self._run_composites_now = bool(self._composites)
+        self._out_dtypes: dict[str, list[torch.dtype]] = {}      # per module: its real first call's output dtypes
         self.capture_grads = False       # set by ``begin``: whether ``grads`` will have real gradients
 
     # --- real forward --------------------------------------------------------------------------------
-    def begin(self, *, capture_grads: bool, local: bool = True) -> None:
+    def begin(self, *, capture_grads: bool, local: bool = True,
+              composites: bool | frozenset[nn.Module] = True) -> None:
         """Before the real forward: record module outputs; optionally the real parameter gradients.
-        ``local=False`` skips this check's local re-runs (of the modules the constructor's ``local`` chose)."""
+        ``local=False`` skips this check's local re-runs (of the modules the constructor's ``local`` chose);
+        ``composites``: which composites are re-run with them (True: all; False: none, the leaves only; or a
+        set of modules): a composite's re-run costs an FP32 forward of its subtree."""
         self._reset()
         self._range = []
         self.usable = self._usable()
@@ -129,6 +138,9 @@ class DivergenceProbe:
         self.active = self._recorded = True
         self.capture_grads = capture_grads
         self._run_local_now = local and bool(self._local_mods)
+        chosen = self._composites if composites is True else self._composites & set(composites or ())
+        self._composites_now = chosen if self._run_local_now else set()
+        self._run_composites_now = bool(self._composites_now)
         self._param_names = {p: n for n, p in self.root.named_parameters() if p.requires_grad}
         # An optimizer step bumps the parameters' version counters: a shadow run after it would compare
         # different weights (see ``shadow``).
@@ -153,7 +165,10 @@ class DivergenceProbe:
         # the metrics read are copied (``_sample``: at most METRIC_SAMPLE), with the shape they came from.
         clones = []
         # One tensor (the common case) skips pytree flattening.
-        for t in ((out,) if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)):
+        outs = (out,) if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
+        if self._run_composites_now and name not in self._out_dtypes:
+            self._out_dtypes[name] = [t.dtype for t in outs]   # what a composite's own re-run rounds it to
+        for t in outs:
             if self._last_real is not None and self._last_real[0] is t:
                 clones.append(self._last_real[1])
             else:
@@ -189,7 +204,9 @@ class DivergenceProbe:
             self._real.clear()
             return
         if self._run_local_now:
-            for mod in self._local_mods:      # their inputs are kept for the re-run
+            # Their inputs are kept for the re-run; during a composite's re-run the same hooks turn the
+            # submodules it calls to FP32.
+            for mod in (self._local_mods if self._run_composites_now else self._local_mods - self._composites):
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
@@ -211,9 +228,15 @@ class DivergenceProbe:
         self._last_ref = None
         self._shadow_out = [t for t in float_tensors(out) if t.requires_grad] if grad else []
 
-    def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._in_local or mod not in self._local_mods:
-            return
+    def _own_mod(self, mod: nn.Module) -> bool:
+        # Whether ``mod``'s own error is re-run on this check.
+        return mod in self._local_mods and (mod not in self._composites or mod in self._composites_now)
+
+    def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self._in_local:
+            return self._own.pre(mod, args, kwargs)
+        if not self._own_mod(mod):
+            return None
         if mod in self._neutral and not self._low_fed(self.names[mod], self._calls.get(self.names[mod], 0)):
             return
         flat = float_tensors((args, kwargs))
@@ -223,10 +246,12 @@ class DivergenceProbe:
         self._inputs.setdefault(self.names[mod], []).append(
             (args, kwargs, [t._version for t in flat], state, cuda_state))
 
-    def _shadow_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+    def _shadow_post(self, mod: nn.Module, args: Any, out: Any) -> Any:
+        if self._in_local:
+            return self._own.post(mod, out)
         name = self.names.get(mod)
-        if name is None or self._in_local or not self._in_shadow:
-            return
+        if name is None or not self._in_shadow:
+            return None
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         refs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
@@ -256,23 +281,25 @@ class DivergenceProbe:
             except Exception as exc:
                 note(f"range statistics of {name or 'the top module'} skipped: {type(exc).__name__}: "
                      f"{' '.join(str(exc).split())[:120]}")
-        if not self._run_local_now:
-            return
+        if not self._run_local_now or not self._own_mod(mod):
+            return None
         if mod in self._neutral and refs and not self._low_fed(name, call):
             self._pending.append(({**tag, "scope": "local"}, _ZERO_ERROR))
-            return
+            return None
         stack = self._inputs.get(name)
         if stack:
             a, k, versions, state, cuda_state = stack.pop()
             flat = float_tensors((a, k))
             if [t._version for t in flat] == versions:
                 dtypes = self._in_dtypes.get(name, [])
+                fp32 = a
                 a = rounded_to(a, dtypes[call]) if call < len(dtypes) else a
                 try:
-                    self._run_local(mod, a, k, state, cuda_state, refs, tag)
+                    self._run_local(mod, a, k, state, cuda_state, refs, tag, fp32=fp32)
                 except Exception as exc:  # noqa: BLE001 - one module's re-run costs its own error, not the check
                     note(f"own error of {name or 'the top module'} skipped: its re-run on its real input dtypes "
                          f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
+        return None
 
     def _low_fed(self, name: str, call: int) -> bool:
         # A neutral module fed fp32 stays fp32 (own error 0 without a re-run); fed fp16/bf16 it computes there.
@@ -280,17 +307,20 @@ class DivergenceProbe:
         return call < len(dtypes) and any(d.itemsize < 4 for d in dtypes[call])
 
     def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
-                   cuda_state: dict, refs: list[torch.Tensor], tag: dict) -> None:
+                   cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = ()) -> None:
         now = torch.get_rng_state()
         now_cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_state}
         torch.set_rng_state(state)
         for d, s in cuda_state.items():
             torch.cuda.set_rng_state(s, d)
         self._in_local = True
+        if mod in self._composites:
+            self._own.start(mod, args, fp32, self._out_dtypes)
         try:
             with torch.no_grad(), torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
                 lo = mod(*args, **kwargs)
         finally:
+            self._own.stop()
             self._in_local = False
             torch.set_rng_state(now)
             for d, s in now_cuda.items():

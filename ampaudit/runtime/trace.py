@@ -49,8 +49,14 @@ model's output, module ""; ``output_lse``: its mean log-sum-exp; ``massive_activ
 over its median |x|, with ``absmax``, ``median`` and ``min_abs``; ``value`` None when the median is 0), ``module``,
 ``value`` (the interval's largest), ``threshold`` (the warning line of rules/policy/precursors.toml when written),
 and for the logit signals ``max_step`` (the sampled step the value was seen at), ``crossed_step`` (the first sampled
-step at or past ``threshold``, None if none) and ``passes``. A version-2 trace is a version-3 trace without
-these three kinds.
+step at or past ``threshold``, None if none) and ``passes``.
+
+Version 3 also adds ``divergence`` events of scope ``local`` for composite modules and the root (no new field): a
+module's own error at every depth, a composite's measured with the submodules it calls computed in FP32 (see
+:mod:`ampaudit.runtime.divergence`), on the checks ``composite_divergence_every`` picks. A version-2 trace holds
+``local`` events for leaf modules only, with the same meaning; the report judges both the same way
+(:mod:`ampaudit.runtime.attribution`), so in a version-2 trace no composite can be named. Besides these, a version-2 trace
+is a version-3 trace without the three new kinds.
 """
 from __future__ import annotations
 

@@ -76,8 +76,13 @@ class Watch(PassHooks):
     check, which therefore has all three: ``grad_divergence_every`` (default 8: checks 0, 8, 16, ...) pushes
     the upstream gradient through an FP32 graph and compares every parameter gradient (scope ``grad``; the
     other checks shadow the forward only, under no_grad); ``local_divergence_every`` (default 2: checks 0, 2,
-    4, ...) re-runs each leaf module in low precision on the FP32 inputs (scope ``local``). 1 = on every
-    check, None = never.
+    4, ...) measures each module's own error (scope ``local``): every leaf re-run in low precision on the FP32
+    inputs; ``composite_divergence_every`` (default 8: checks 0, 8, 16, ...; only on checks with the local
+    scope) adds every composite, the root included, re-run with the modules it calls computed in FP32, so its
+    own code (what it does between and around its children) is measured too. A composite's re-run costs an FP32
+    forward of its subtree, one forward per nesting level in all, so the first such check re-runs every
+    composite and the later ones one nesting depth each in turn (about one FP32 forward per check).
+    1 = on every check, None = never.
     """
 
     def __init__(self, model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *,
@@ -85,7 +90,8 @@ class Watch(PassHooks):
                  raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
                  locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
                  grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
-                 grad_hist: bool = True, scaler: Any = None, precursors: bool = True):
+                 composite_divergence_every: int | None = 8, grad_hist: bool = True, scaler: Any = None,
+                 precursors: bool = True):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -93,7 +99,8 @@ class Watch(PassHooks):
                                       ("max_events", max_events, False),
                                       ("divergence_every", divergence_every, True),
                                       ("grad_divergence_every", grad_divergence_every, True),
-                                      ("local_divergence_every", local_divergence_every, True)):
+                                      ("local_divergence_every", local_divergence_every, True),
+                                      ("composite_divergence_every", composite_divergence_every, True)):
             check_every(name, value, optional=optional)
         if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 0:
             raise UsageError(f"watch(): max_replays must be an integer >= 0, got {max_replays!r}",
@@ -123,7 +130,8 @@ class Watch(PassHooks):
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
         self._schedule = DivergenceSchedule(self.root, self._names, device_type=self.device_type,
                                             every=divergence_every, grad_every=grad_divergence_every,
-                                            local_every=local_divergence_every)
+                                            local_every=local_divergence_every,
+                                            composite_every=composite_divergence_every)
         # Decisions (argmax, topk, x > t, round, ...) against FP32, on the same checks: ``decision`` events.
         self._decisions = (DecisionCheck(self.root, device_type=self.device_type)
                            if divergence_every is not None else None)
@@ -149,7 +157,8 @@ class Watch(PassHooks):
                        device=self.device_type, model=type(self.root).__name__, every=every,
                        divergence_every=divergence_every, stats_every=stats_every,
                        grad_divergence_every=grad_divergence_every,
-                       local_divergence_every=local_divergence_every)
+                       local_divergence_every=local_divergence_every,
+                       composite_divergence_every=composite_divergence_every)
 
     # --- public loop integration ---------------------------------------------------------------------
     def set_hooks(self, on: bool) -> None:

@@ -3,20 +3,20 @@
 A module's range is judged against the dtype its output is stored in under the target's autocast
 (:func:`ampaudit.analysis.calibrate.judge_range`): an fp32 island's output is not held to fp16's 65504.
 
-A module is reported for its *own* code: for divergence and range, a module whose descendants already cross the
-threshold is left out (they explain it); for non-finite values the locator already names the op that turned
-finite inputs into inf/NaN.
+A module is reported for its *own* code: for divergence, by its own error (:mod:`ampaudit.runtime.attribution`,
+the verdict ``ampaudit report`` gives too); for range, a module whose descendants already cross the threshold is
+left out (they explain it); for non-finite values the locator already names the op that turned finite inputs into
+inf/NaN.
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Iterator
 
 import torch
 
 from ampaudit.graph_meta import SourceLoc
-from ampaudit.policy import divergence_thresholds, settings, unit_roundoff
+from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
@@ -33,10 +33,6 @@ def _source(text: str | None) -> SourceLoc | None:
 
     path = os.path.abspath(m["file"])
     return SourceLoc(path, int(m["line"]), linecache.getline(path, int(m["line"])).strip())
-
-
-def _bad(value) -> bool:
-    return isinstance(value, float) and math.isnan(value)
 
 
 def _own(cal, module: str, flagged) -> bool:
@@ -107,44 +103,45 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
         yield hit
 
 
-def first_jump(cal, warn: float) -> str | None:
-    """The first module, in execution order, whose accumulated (global) error crosses ``warn``."""
-    for name in cal.order:
-        v = cal.modules[name].get("rel_l2")
-        if name and v is not None and (_bad(v) or v >= warn):
-            return name
-    return None
+def first_jump(cal, found) -> str | None:
+    """The first culprit in execution order (innermost first): where the model's error first shows."""
+    from ampaudit.runtime.attribution import first_crossing
+
+    own, _ = own_errors(cal)
+    row = first_crossing(found, ((n, None, own[n]) for n in cal.order))
+    return None if row is None else row["module"]
 
 
-@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs", "units", "rank", "jump"})
+def own_errors(cal) -> tuple[dict[str, float | None], bool]:
+    """(module -> the error it is judged by, whether those accumulate from the input on): own errors where the
+    probe measured them; the global ones, judged as inherited, when it measured none (calibration without local
+    re-runs). A module whose re-run could not run (a note says why) has no own error and is not judged."""
+    if any("local_rel_l2" in cal.modules[n] for n in cal.order):
+        return {n: cal.modules[n].get("local_rel_l2") for n in cal.order}, False
+    return {n: cal.modules[n].get("rel_l2") for n in cal.order}, True
+
+
+@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs", "units", "rank", "jump", "verdict"})
 def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
-    """Modules whose own error is beyond what the dtype's rounding explains, worst first: the first is the
-    culprit of a fault that stays finite. ``jump`` notes where the accumulated error first crosses the line."""
+    """Modules whose own error is beyond what the dtype's rounding explains, or an outlier among the model's own
+    errors (:mod:`ampaudit.runtime.attribution`, the same verdict ``ampaudit report`` gives), worst first: the
+    first is the culprit of a fault that stays finite. ``jump`` notes the first culprit in execution order."""
+    from ampaudit.runtime.attribution import culprits
+
     cal = ctx.calibration
     if cal is None:
         return
-    warn, err = divergence_thresholds(cal.policy.low)
-    u = unit_roundoff(cal.policy.low)
-
-    def own(name: str):
-        row = cal.modules[name]
-        return row.get("local_rel_l2", row.get("rel_l2"))
-
-    def over(name: str) -> bool:
-        v = own(name)
-        return v is not None and (_bad(v) or v >= warn)
-
-    flagged = [n for n in cal.order if over(n) and _own(cal, n, over)]
-    flagged.sort(key=lambda n: -(math.inf if _bad(own(n)) else own(n)))
-    jump = first_jump(cal, warn)
-    for rank, name in enumerate(flagged, 1):
-        row, rel = cal.modules[name], own(name)
-        sev = "error" if _bad(rel) or rel >= err else None
+    own, inherited = own_errors(cal)
+    found = culprits(own, cal.policy.low, inherited=inherited)
+    jump = first_jump(cal, found)
+    for c in found:
+        row = cal.modules[c.module]
+        sev = "error" if c.severity == "error" else None       # None: the rule's own (warning)
         note = ""
-        if jump is not None and rank == 1:
-            note = f"; the model's accumulated error first crosses {warn:.2g} at {jump or '<top>'}"
-        yield Hit(None, {"rel_l2": rel, "cosine": row.get("local_cosine", row.get("cosine", float("nan"))),
+        if jump is not None and c.rank == 1 and jump != c.module:
+            note = f"; the first culprit in execution order is {jump or '<top>'}"
+        yield Hit(None, {"rel_l2": c.rel_l2, "cosine": row.get("local_cosine", row.get("cosine", float("nan"))),
                          "sqnr_db": row.get("local_sqnr_db", row.get("sqnr_db", float("nan"))),
                          "max_abs": row.get("local_max_abs", row.get("max_abs", float("nan"))),
-                         "units": (math.inf if _bad(rel) else rel / u), "rank": rank, "jump": note},
-                  severity=sev, module=name, op="output")
+                         "units": c.units, "rank": c.rank, "jump": note, "verdict": c.why},
+                  severity=sev, module=c.module, op="output", variant="relative" if c.rule == "relative" else None)

@@ -1,0 +1,147 @@
+"""Which modules are the culprits of a run's low-precision error: one verdict for ``check --calibrate`` and for
+``ampaudit report``.
+
+    found = culprits({"mlp.fc": 0.003, "attn": 0.066, "head": 0.002, ...}, torch.bfloat16)
+    found[0].module, found[0].rule, found[0].severity, found[0].why     # "attn", "relative", "warning", "..."
+    first = first_crossing(found, [("attn", step, rel_l2), ...])         # where the first culprit shows
+
+The input is each module's *own* error (relative L2 against FP32 of the module run alone under autocast on the
+inputs it really receives, a composite with its children computed in FP32: see
+:mod:`ampaudit.runtime.divergence`, scope ``local``), keyed by dotted module name. Two lines judge it
+(rules/policy/settings.toml ``[calibration]`` and ``[attribution]``):
+
+- **absolute**: at least ``divergence_warning_u`` unit roundoffs of the dtype (32 u: 1.6% in fp16, 12.5% in
+  bf16) is a warning, ``divergence_error_u`` (128 u) an error; inf/NaN is an error. What the rule had before.
+- **relative**: at least ``floor_u`` unit roundoffs *and* at least ``outlier_ratio`` times the median own error
+  of the model's other modules measured in the same dtype (modules with an exact 0, which compute nothing in
+  the low dtype, are not peers; with fewer than ``min_peers`` peers there is no median to stand out from). A
+  module at 6.6% in a bf16 model whose GEMMs sit at 0.3% is 20x the model's normal error. It is a warning,
+  never an error: the module is far noisier than the rest of the model, which is worth a look, but the dtype
+  alone would not call its error a fault.
+
+With own errors, a composite's value no longer holds its children's, so a flagged child does not excuse its
+parent and vice versa. One exception stays: a non-finite own error of a module with a non-finite descendant is
+the descendant's overflow reaching it (the re-run hands the composite its children's results rounded to the
+low dtype, inf included), so the descendant is named. ``inherited=True`` is for values that accumulate from the
+input on (scope ``global``, what traces without own errors hold): a module is left out when a module below it
+is flagged, as the rule did before own errors existed.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from ampaudit.policy import divergence_thresholds, low_dtype, settings, unit_roundoff
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A flagged module: its own error, the line it crossed and why. ``rank`` 1 is the worst."""
+
+    module: str
+    rel_l2: float            # own error (NaN or inf: non-finite)
+    units: float             # rel_l2 in unit roundoffs of the dtype
+    ratio: float | None      # rel_l2 over the model's median own error (None without enough peers)
+    median: float | None
+    peers: int
+    rule: str                # "absolute" | "relative" | "nonfinite"
+    severity: str            # "error" | "warning"
+    line: float              # the relative L2 it crossed
+    rank: int
+    why: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def peer_median(own: Mapping[str, float | None]) -> tuple[float | None, int]:
+    """(median of the finite nonzero own errors, how many there are); the median is None below ``min_peers``."""
+    peers = [v for v in own.values() if v is not None and math.isfinite(v) and v > 0]
+    if len(peers) < int(settings()["attribution"]["min_peers"]):
+        return None, len(peers)
+    return statistics.median(peers), len(peers)
+
+
+def _is_below(name: str, other: str) -> bool:
+    return other != name and (name == "" or other.startswith(name + "."))
+
+
+def _verdict(v: float, dtype: torch.dtype, median: float | None) -> tuple[str, str, float] | None:
+    """(rule, severity, line) for one own error, None when it is not flagged."""
+    warn, err = divergence_thresholds(dtype)
+    if not math.isfinite(v):
+        return "nonfinite", "error", warn
+    if v >= warn:
+        return "absolute", ("error" if v >= err else "warning"), warn
+    cfg = settings()["attribution"]
+    if median is not None:
+        line = max(cfg["floor_u"] * unit_roundoff(dtype), cfg["outlier_ratio"] * median)
+        if v >= line:
+            return "relative", "warning", line
+    return None
+
+
+def _why(rule: str, v: float, units: float, ratio: float | None, median: float | None, peers: int,
+         dtype: torch.dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if rule == "nonfinite":
+        return "its own code turns finite inputs into inf/NaN"
+    if rule == "absolute":
+        warn_u = settings()["calibration"]["divergence_warning_u"]
+        return f"{units:.0f} unit roundoffs of {name}, past the {warn_u} u line the dtype's rounding explains"
+    return (f"{ratio:.0f}x the median own error ({median:.2g}) of the model's {peers} modules in {name}, "
+            f"though under the {settings()['calibration']['divergence_warning_u']} u line")
+
+
+def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *,
+             inherited: bool = False) -> list[Culprit]:
+    """The flagged modules of ``own`` (module -> own error; None: not measured), worst first.
+    ``inherited``: the values accumulate from the input on (scope ``global``); see the module docstring."""
+    dtype = low_dtype(dtype)
+    u = unit_roundoff(dtype)
+    median, peers = peer_median(own)
+    judged: dict[str, tuple[float, tuple[str, str, float]]] = {}
+    for name, v in own.items():
+        if v is None:
+            continue
+        verdict = _verdict(v, dtype, median)
+        if verdict is not None:
+            judged[name] = (v, verdict)
+
+    def explained(name: str) -> bool:
+        v = judged[name][0]
+        return any(_is_below(name, other) and (inherited or not math.isfinite(w))
+                   for other, (w, _) in judged.items()) and (inherited or not math.isfinite(v))
+
+    kept = [n for n in judged if not explained(n)]
+    # Non-finite first (NaN, the worst a comparison gets, then inf), then by size.
+    kept.sort(key=lambda n: (0 if math.isnan(judged[n][0]) else 1, -judged[n][0]
+                             if not math.isnan(judged[n][0]) else 0.0))
+    out = []
+    for rank, name in enumerate(kept, 1):
+        v, (rule, severity, line) = judged[name]
+        units = v / u if math.isfinite(v) else math.inf
+        ratio = v / median if median and math.isfinite(v) else None
+        out.append(Culprit(name, v, units, ratio, median, peers, rule, severity, line, rank,
+                           _why(rule, v, units, ratio, median, peers, dtype)))
+    return out
+
+
+def crosses(culprit: Culprit, value: float | None) -> bool:
+    """Whether one measurement of the culprit's own error is past the line that flagged it (NaN is)."""
+    return value is not None and not (value < culprit.line)
+
+
+def first_crossing(found: list[Culprit], events: Iterable[tuple[str, int | None, float | None]]) -> dict | None:
+    """Where the error first shows: the first of ``events`` ((module, step, own rel_l2) in the order they were
+    measured, innermost module first within a check) that is a culprit's and past its line."""
+    by_name = {c.module: c for c in found}
+    for module, step, value in events:
+        c = by_name.get(module)
+        if c is not None and crosses(c, value):
+            return {"module": module, "step": step, "rel_l2": value, "rule": c.rule}
+    return None

@@ -1,0 +1,77 @@
+"""The verdict on own errors that check --calibrate and ampaudit report share (ampaudit.runtime.attribution): the
+absolute lines keep their severities, a relative outlier is a warning, a parent does not inherit a child's error."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampaudit.policy import settings, unit_roundoff
+from ampaudit.runtime.attribution import crosses, culprits, first_crossing, peer_median
+
+U = unit_roundoff(torch.bfloat16)
+
+
+def _model(**special: float) -> dict[str, float]:
+    """Own errors of a bf16 model: eight GEMMs near 0.3%, a container near 0.15%, one neutral module at 0."""
+    own = {f"layers.{i}.fc": 0.0028 + 0.0001 * i for i in range(8)}
+    own.update({"layers": 0.0015, "drop": 0.0, "": 0.002})
+    own.update(special)
+    return own
+
+
+def test_a_healthy_model_has_no_culprit():
+    assert culprits(_model(), torch.bfloat16) == []
+
+
+def test_absolute_lines_keep_their_severities():
+    found = culprits(_model(**{"layers.3.fc": 40 * U, "head": 200 * U}), "bfloat16")
+    assert [(c.module, c.rule, c.severity, c.rank) for c in found] == [
+        ("head", "absolute", "error", 1), ("layers.3.fc", "absolute", "warning", 2)]
+    assert found[0].units == pytest.approx(200) and "32 u line" in found[0].why
+
+
+def test_a_relative_outlier_is_a_warning_naming_its_ratio():
+    # The issue's example: 6.6% own error in bf16 (17 u, under the 12.5% line) where the GEMMs sit near 0.3%.
+    found = culprits(_model(router=0.066), torch.bfloat16)
+    assert [(c.module, c.rule, c.severity) for c in found] == [("router", "relative", "warning")]
+    c = found[0]
+    assert c.median == pytest.approx(0.0031) and c.ratio == pytest.approx(0.066 / c.median)
+    assert c.peers == 11 and "median own error" in c.why and "bfloat16" in c.why
+
+
+def test_the_floor_keeps_a_near_exact_model_from_calling_noise_an_outlier():
+    # Modules all near 1e-5 (an fp32-ish model): 10x the median is still far under the dtype's floor.
+    own = {f"m{i}": 1e-5 for i in range(10)} | {"odd": 2e-3}
+    assert culprits(own, torch.bfloat16) == []
+    floor = settings()["attribution"]["floor_u"] * U
+    assert [c.module for c in culprits(own | {"odd": floor}, torch.bfloat16)] == ["odd"]
+
+
+def test_too_few_peers_leave_only_the_absolute_line():
+    own = {"a": 0.003, "b": 0.003, "odd": 0.08}
+    assert peer_median(own) == (None, 3) and culprits(own, torch.bfloat16) == []
+
+
+def test_a_parent_does_not_inherit_a_finite_child_error_but_an_overflow_is_the_childs():
+    found = culprits(_model(**{"blk": 0.003, "blk.attn": 0.5}), torch.bfloat16)
+    assert [c.module for c in found] == ["blk.attn"]
+    both = culprits(_model(**{"blk": 0.3, "blk.attn": 0.5}), torch.bfloat16)
+    assert [c.module for c in both] == ["blk.attn", "blk"]                 # two own faults: both named
+    nan = culprits(_model(**{"blk": math.nan, "blk.attn": math.inf, "": math.nan}), torch.float16)
+    assert [(c.module, c.rule, c.severity) for c in nan] == [("blk.attn", "nonfinite", "error")]
+
+
+def test_inherited_values_name_the_innermost_flagged_module():
+    found = culprits(_model(**{"blk": 0.5, "blk.attn": 0.4, "": 0.5}), torch.bfloat16, inherited=True)
+    assert [c.module for c in found] == ["blk.attn"]
+
+
+def test_first_crossing_is_the_first_measurement_past_the_culprits_line():
+    found = culprits(_model(router=0.066), torch.bfloat16)
+    line = found[0].line
+    assert not crosses(found[0], line * 0.9) and crosses(found[0], line) and crosses(found[0], math.nan)
+    events = [("layers.0.fc", 1, 0.5), ("router", 1, line / 2), ("router", 2, 0.07), ("router", 3, 0.09)]
+    assert first_crossing(found, events) == {"module": "router", "step": 2, "rel_l2": 0.07, "rule": "relative"}
+    assert first_crossing([], events) is None
