@@ -127,6 +127,10 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.trace_swamping import preflight_rows, swamping_row
     from ampaudit.report.trace_precursors import precursor_row
 
+    # Kinds read by their own module's row function into one TraceData list (a None row is skipped).
+    rows = {"grad_hist": (hist_row, "grad_hist"), "fp8": (fp8_row, "fp8"), "fp8_budget": (budget_row, "fp8_budget"),
+            "eval": (eval_row, "evals"), "swamping": (swamping_row, "swamping"),
+            "decision": (decision_row, "decisions"), "precursor": (precursor_row, "precursors")}
     data = TraceData()
     last_step = 0
     for ev in events:
@@ -173,34 +177,19 @@ def collect(events: Iterable[dict]) -> TraceData:
                 "step": step, "scale": finite(ev.get("scale")),
                 "modules": [m for m in mods if isinstance(m, str)] if isinstance(mods, list) else [],
                 "params": [p for p in params if isinstance(p, str)] if isinstance(params, list) else []})
-        elif kind == "grad_hist":
-            row = hist_row(ev, step)
-            if row is not None:
-                data.grad_hist.append(row)
         elif kind == "checkpoint":
             data.checkpoints.append({"step": step, "path": _text(ev.get("path"))})
         elif kind == "halt":
             diag = ev.get("diagnosis")
             data.halts.append({"step": step, "reason": _text(ev.get("reason")),
                                "diagnosis": diag if isinstance(diag, dict) else None})
-        elif kind == "fp8":
-            data.fp8.append(fp8_row(ev, step))
-        elif kind == "fp8_budget":
-            data.fp8_budget.append(budget_row(ev, step))
-        elif kind == "eval":
-            data.evals.append(eval_row(ev, step))
-        elif kind == "swamping":
-            row = swamping_row(ev, step)
+        elif kind in rows:
+            read, into = rows[kind]
+            row = read(ev, step)
             if row is not None:
-                data.swamping.append(row)
+                getattr(data, into).append(row)
         elif kind == "preflight":
             data.preflight += preflight_rows(ev)
-        elif kind == "decision":
-            data.decisions.append(decision_row(ev, step))
-        elif kind == "precursor":
-            row = precursor_row(ev, step)
-            if row is not None:
-                data.precursors.append(row)
         else:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
