@@ -62,6 +62,8 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
                  batches=batches, loss_fn=loss_fn, batch=batch, data=data, **kwargs).report
 
 
+# The families calibration measures (rules/calibration.toml); a calibrated report without one says so.
+MEASURED_FAMILIES = frozenset({"nonfinite", "range", "divergence"})
 _CAPTURE_NAMES = {"fx": "torch.fx", "export": "torch.export", "dispatch": "dispatch-level recording"}
 
 
@@ -122,7 +124,9 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
                     findings=findings, suppressed=suppressed, nodes=len(cap.gm.graph.nodes))
     if ctx.calibration is not None:
         sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
-        report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}")
+        measured = [f for f in findings if f.family in MEASURED_FAMILIES]
+        clean = "" if measured else ": no measured faults (no inf/NaN, range, divergence or flipped decision)"
+        report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}{clean}")
         report.notes.append(f"backward: {ctx.calibration.backward}")
         if data.note:
             report.notes.append(data.note)

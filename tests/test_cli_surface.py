@@ -131,3 +131,16 @@ def test_alignment_on_a_cpu_target_is_an_info_worded_for_the_cpu():
         assert f.severity == "info" and "CPU" in f.message and "CPU" in f.why
         assert "Tensor Core kernels" not in f.message and "cuBLAS" not in f.why and "cuDNN" not in f.why
     assert any("Tensor Core" in f.message + f.why for f in cuda.findings)
+
+
+def test_a_clean_calibration_says_it_measured_nothing(planted):
+    import ampaudit
+    from conftest import SAMPLES, load_module
+
+    clean = load_module(SAMPLES / "clean_mlp.py")
+    notes = ampaudit.check(clean.build_model(), *clean.example_inputs(), calibrate=True).notes
+    assert any(n.startswith("calibrated on 1 batch(es)") and n.endswith(": no measured faults (no inf/NaN, range, "
+                                                                       "divergence or flipped decision)") for n in notes)
+    bad = planted("gelu_cube")
+    notes = ampaudit.check(bad.build_model(), *bad.example_inputs(), device="cpu", calibrate=True).notes
+    assert any(n.startswith("calibrated on") for n in notes) and not any("no measured faults" in n for n in notes)

@@ -1,0 +1,149 @@
+"""Does the runtime see what calibrate sees? Every planted model through both paths, side by side.
+
+    python bench/both_paths.py                      # every planted model with a culprit, both paths
+    python bench/both_paths.py --only moe_router_bf16,gelu_cube --json both.json
+
+For each planted model (../shared/planted and tests/planted, the module named in its ``EXPECT``):
+- ``check --calibrate`` on its own target (``ampaudit.check(..., calibrate=True)``): named when a finding at
+  warning or above is on the culprit (or a module inside it), as bench/accuracy.py counts;
+- ``ampaudit train FILE --trace T --divergence-every 1`` then ``ampaudit report T --json``: named when the report
+  points at the culprit: the first non-finite value's module, the top own-error culprit, or a recommendation
+  (decisions, swamping, precursors, keep_fp32) listing it. Training faults (``"phase": "training"``: state that
+  loses its updates, logits that grow) run their ``EXPECT`` options (``opt_level``) for 34 steps; the others 2.
+
+A model without ``train_data``/``loss_fn`` trains on its example inputs with the mean of its outputs as the loss
+(a wrapper file written next to the trace). Prints one row per model and the share each path names; ``--json``
+keeps the rows. Numbers go in BENCHMARKS.md ("Both paths").
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from accuracy import _load, located, planted_files  # noqa: E402
+
+_WRAPPER = '''import itertools, runpy, torch
+_m = runpy.run_path({path!r})
+globals().update({{k: v for k, v in _m.items() if not k.startswith("__")}})
+if "train_data" not in _m:
+    def train_data():
+        inputs = _m["example_inputs"]()
+        return itertools.repeat((inputs, None))
+if "loss_fn" not in _m:
+    def loss_fn(out, target):
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(t)]
+        return sum(t.float().mean() for t in outs)
+'''
+
+
+def _culprits(expect: dict) -> list[str]:
+    return list(expect.get("culprits") or [expect["culprit"]])
+
+
+def _names(module: str | None, culprits: list[str]) -> bool:
+    if not isinstance(module, str):
+        return False
+    return any(module == c or module.startswith(c + ".") or fnmatch.fnmatch(module, c) for c in culprits)
+
+
+def report_names(summary: dict, culprits: list[str]) -> str | None:
+    """Where the report names one of ``culprits`` (a word for the table), or None."""
+    first = summary.get("first_nonfinite") or {}
+    if _names(first.get("module"), culprits):
+        return "first non-finite"
+    top = (summary.get("divergence") or {}).get("culprits") or []
+    if top and _names(top[0].get("module"), culprits):
+        return "top own error"
+    for rec in summary.get("recommendations", []):
+        if any(_names(m, culprits) for m in rec.get("modules") or []):
+            return rec["kind"]
+    return None
+
+
+def run_trace(path: Path, expect: dict, work: Path) -> dict:
+    mod = _load(path)
+    target = expect.get("target", {"device": "cpu", "dtype": "float16"})
+    model_file = path
+    if not (hasattr(mod, "train_data") and hasattr(mod, "loss_fn")):
+        model_file = work / f"{path.stem}_train.py"
+        model_file.write_text(_WRAPPER.format(path=str(path)))
+    training = expect.get("phase") == "training"
+    trace = work / f"{path.stem}.jsonl"
+    cmd = [sys.executable, "-m", "ampaudit", "train", str(model_file), "--steps", "34" if training else "2",
+           "--device", "cpu", "--dtype", target["dtype"], "--trace", str(trace), "--divergence-every", "1"]
+    if expect.get("opt_level"):
+        cmd[cmd.index("--divergence-every"):cmd.index("--divergence-every") + 2] = ["--opt-level", expect["opt_level"],
+                                                                                   "--trace-every", "10"]
+    env = {**os.environ, "COLUMNS": "200"}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    row = {"train_rc": run.returncode}
+    if not trace.is_file():
+        row["runtime_error"] = (run.stderr.strip().splitlines() or ["no trace written"])[-1][:200]
+        return row
+    rep = subprocess.run([sys.executable, "-m", "ampaudit", "report", str(trace), "--json"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    try:
+        row["runtime_by"] = report_names(json.loads(rep.stdout), _culprits(expect))
+    except json.JSONDecodeError:
+        row["runtime_error"] = (rep.stderr.strip().splitlines() or ["report failed"])[-1][:200]
+    return row
+
+
+def run_calibrate(path: Path, expect: dict) -> bool | str:
+    import ampaudit
+
+    mod = _load(path)
+    target = expect.get("target", {"device": "cpu", "dtype": "float16"})
+    inputs = mod.example_inputs()
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+    try:
+        rep = ampaudit.check(mod.build_model(), *args, **target, calibrate=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a crash is a miss, reported with its reason
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return any(located(rep, c, None) for c in _culprits(expect)) or any(
+        _names(f.module, _culprits(expect)) for f in rep.findings if f.severity in ("warning", "error"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="comma-separated model names (file stems)")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in planted_files():
+            expect = getattr(_load(path), "EXPECT", {})
+            if expect.get("culprit") is None or (only and path.stem not in only):
+                continue
+            row = {"model": path.stem, "culprit": expect["culprit"], "phase": expect.get("phase", "forward")}
+            cal = run_calibrate(path, expect)
+            row["calibrate"] = cal is True
+            if isinstance(cal, str):
+                row["calibrate_error"] = cal
+            row.update(run_trace(path, expect, Path(tmp)))
+            row["runtime"] = row.get("runtime_by") is not None
+            rows.append(row)
+            print(f"{row['model']:28} {row['phase']:9} calibrate {'yes' if row['calibrate'] else 'NO ':3}  "
+                  f"train+report {'yes' if row['runtime'] else 'NO '} ({row.get('runtime_by') or row.get('runtime_error') or '-'})",
+                  flush=True)
+    n = len(rows)
+    both = sum(r["calibrate"] and r["runtime"] for r in rows)
+    print(f"\n{n} planted models: check --calibrate names {sum(r['calibrate'] for r in rows)}, "
+          f"train --trace + report names {sum(r['runtime'] for r in rows)}, both {both}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
