@@ -144,3 +144,15 @@ def test_a_clean_calibration_says_it_measured_nothing(planted):
     bad = planted("gelu_cube")
     notes = ampaudit.check(bad.build_model(), *bad.example_inputs(), device="cpu", calibrate=True).notes
     assert any(n.startswith("calibrated on") for n in notes) and not any("no measured faults" in n for n in notes)
+
+
+def test_nonfinite_findings_json_fields_are_plain_values():
+    import ampaudit
+    from conftest import ROOT, load_module
+
+    m = load_module(ROOT / "tests" / "planted" / "sqrt_underflow_grad.py")
+    report = ampaudit.check(m.build_model(), *m.example_inputs(), device="cpu", calibrate=True)
+    found = [f for f in report.findings if f.rule == "AMP601"]
+    assert found and {f.details["phase"] for f in found} <= {"forward", "backward"}
+    assert all("error" not in f.details for f in found)                  # AMP601 is no error message
+    assert any(f.details["phase"] == "backward" and "in the backward pass" in f.message for f in found)

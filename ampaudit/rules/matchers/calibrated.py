@@ -52,12 +52,14 @@ def calibrated_nonfinite(ctx: MatchContext, rule) -> Iterator[Hit]:
         if is_error != (want == "error"):
             continue
         op = (ev.get("op") or "").replace("aten.", "") or "forward"
-        phase = " in the backward pass" if ev.get("phase") == "backward" else ""
         message = ev.get("message") or ""
         variant = "dtypes" if is_error and _DTYPE_MISMATCH_RE.search(message) else None
-        yield Hit(None, {"kind": ev.get("kind"), "error": message, "source": ev.get("source") or "",
-                         "phase": phase},
-                  module=ev.get("module") or "", op=op, source=_source(ev.get("source")), variant=variant)
+        details = {"kind": ev.get("kind"), "source": ev.get("source") or "",
+                   "phase": "backward" if ev.get("phase") == "backward" else "forward"}
+        if is_error:
+            details["error"] = message
+        yield Hit(None, details, module=ev.get("module") or "", op=op, source=_source(ev.get("source")),
+                  variant=variant)
 
 
 def _range_rows(ctx: MatchContext) -> Iterator[tuple[str, dict]]:
