@@ -258,3 +258,15 @@ def test_median_row_sqnr_sees_what_energy_weighting_hides():
     got[1:] += 0.1                                  # every other row 10% off: 20 dB
     m = error_metrics(ref, got)
     assert m["sqnr_db"] > 50 and abs(m["row_sqnr_db"] - 20.0) < 0.01
+
+
+def test_plan_takes_train_data_items_as_they_are():
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    x, y = torch.randn(32, 64), torch.randn(32, 32)
+    loss = nn.functional.mse_loss
+    raw = ampaudit.plan(copy.deepcopy(model), [(x, y)], loss_fn=loss, speed_model="off")     # train_data()'s item
+    explicit = ampaudit.plan(copy.deepcopy(model), [((x,), {}, y)], loss_fn=loss, speed_model="off")
+    assert raw.to_dict()["layers"] == explicit.to_dict()["layers"]

@@ -313,12 +313,20 @@ def batches_from(loaded: Any, count: int) -> list[tuple]:
                          hint="define train_data() yielding (inputs, target), or calibrate on example_inputs()")
     out = []
     for item in fn():
-        pair = isinstance(item, (tuple, list)) and len(item) == 2
-        inputs, target = (item[0], item[1]) if pair else (item, None)
-        if isinstance(inputs, dict):
-            out.append(((), inputs, target))
-        else:
-            out.append((tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, target))
+        out.append(as_batch(item))
         if len(out) >= count:
             break
     return out
+
+
+def as_batch(item: Any) -> tuple:
+    """One ``train_data()`` item (``(inputs, target)``, or bare inputs: a tensor, a tuple of them, a dict of
+    keyword inputs) as ``(args, kwargs, target)``; an item already in that form (or ``(args, kwargs)``) as it is."""
+    if (isinstance(item, (tuple, list)) and len(item) in (2, 3) and isinstance(item[0], (tuple, list))
+            and isinstance(item[1], dict)):
+        return tuple(item)
+    pair = isinstance(item, (tuple, list)) and len(item) == 2
+    inputs, target = (item[0], item[1]) if pair else (item, None)
+    if isinstance(inputs, dict):
+        return (), inputs, target
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}, target

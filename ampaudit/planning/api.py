@@ -5,7 +5,8 @@
     plan.to_dict()                                     # the JSON contract (README, "ampaudit plan")
     plan.float8_modules()                              # {"blocks.0.mlp.fc1", ...}: for torchao's module_filter_fn
 
-``batches``: ``(args, kwargs)`` or ``(args, kwargs, target)`` tuples (``analysis.calibrate.batches_from``).
+``batches``: ``(args, kwargs)`` or ``(args, kwargs, target)`` tuples (``analysis.calibrate.batches_from``), or
+``train_data()``'s own ``(inputs, target)`` items.
 Each nn.Linear is measured alone on the inputs and output gradients it receives in an FP32 run (``measure``),
 in float8 exactly as torchao's float8 training runs it (emulated on CPU), in bf16 and in fp16; ``speed`` predicts
 its GEMMs' time on the named GPU; ``choose`` decides. torchao's own filter (``_auto_filter_for_recipe``) is asked
@@ -138,6 +139,9 @@ def plan(model: nn.Module, batches: list, *, recipe: str = "tensorwise", loss_fn
         raise UsageError(f"unknown recipe {recipe!r}", hint=f"use one of {', '.join(RECIPES)}")
     if not batches:
         raise UsageError("plan() needs at least one batch", hint="pass [(args, kwargs)] or train_data() batches")
+    from ampaudit.analysis.calibrate import as_batch
+
+    batches = [as_batch(b) for b in batches]     # train_data()'s (inputs, target) items too
     if speed_model != "off":
         from ampaudit.planning.speed import load_gpus, supports_float8
 
