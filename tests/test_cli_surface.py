@@ -156,3 +156,37 @@ def test_nonfinite_findings_json_fields_are_plain_values():
     assert found and {f.details["phase"] for f in found} <= {"forward", "backward"}
     assert all("error" not in f.details for f in found)                  # AMP601 is no error message
     assert any(f.details["phase"] == "backward" and "in the backward pass" in f.message for f in found)
+
+
+def test_an_fsdp_run_prints_its_preflight_lines(tmp_path):
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401
+    from ampaudit.cli.app import app
+    from conftest import ASSETS
+
+    r = CliRunner().invoke(app, ["train", str(ASSETS / "train_mlp.py"), "--steps", "1", "--device", "cpu",
+                                 "--fsdp", "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("preflight ")]
+    names = {ln.split()[2].rstrip(":") for ln in lines}
+    assert {"groups", "masters", "reduce", "memory"} <= names, r.stderr
+    assert all(ln.split()[1] in ("ok", "warn") for ln in lines)
+
+
+def test_fsdp_keeps_batchnorm_in_fp32():
+    """Under --fsdp a BatchNorm in the bf16 group met fp32 running stats and the kernel raised at step 1."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ampaudit.train.trainer import Trainer
+    from conftest import ASSETS, load_module
+
+    mlp = load_module(ASSETS / "train_mlp.py")
+    with Trainer(mlp.build_model(), mlp.loss_fn, mlp.train_data, dtype="bfloat16", fsdp=True, device="cpu",
+                 handle_signals=False) as t:
+        t.fit(steps=2)
+        bn = next(m for m in t.model.modules() if isinstance(m, nn.BatchNorm1d))
+        assert bn.running_var.dtype == torch.float32 and bn.weight.dtype == torch.float32
+    assert not dist.is_initialized()

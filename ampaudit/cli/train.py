@@ -186,6 +186,12 @@ def train(
     main = trainer.dist.is_main
     if chosen and main:
         typer.echo(chosen, err=True)
+    if main:                                # the preflight's verdicts, one line each (its warnings follow below)
+        from ampaudit.train.preflight_state import STATE_CHECKS
+
+        for check in trainer.preflight:
+            if not (check.status == "warn" and check.name in STATE_CHECKS):
+                typer.echo(f"preflight {check.line()}", err=True)
     for message in trainer.warnings:        # rank 0's, said once at the start
         typer.echo(f"warning: {message}", err=True)
     if resume and main and checkpoint is not None:

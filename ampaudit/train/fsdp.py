@@ -93,11 +93,20 @@ def policy(dtype: torch.dtype, reduce_dtype: torch.dtype):
 def shard(model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, dtype: torch.dtype,
           reduce_dtype: torch.dtype = torch.float32) -> None:
     """``fully_shard`` each unit of :func:`block_units`, then the root, in place."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         raise UsageError("FSDP needs a process group", hint="launch with torchrun, or let the Trainer join one")
     mp = policy(dtype, reduce_dtype)
+    # BatchNorm keeps fp32 weights and statistics, as under autocast alone: cast to bf16 by the group's policy, its
+    # weight met fp32 running stats and the kernel raised. Its own group, sharded first (bottom-up), gathers fp32
+    # and leaves the low-precision input as autocast gave it.
+    keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    unit_ids = {id(m) for _, m in units}
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in unit_ids \
+                and any(p.requires_grad for p in module.parameters(recurse=False)):
+            fully_shard(module, mp_policy=keep)
     for _, module in units:
         fully_shard(module, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
