@@ -124,3 +124,12 @@ def test_html_without_plotly_names_the_extra(monkeypatch, tmp_path):
     assert r.exit_code == 2
     assert r.stderr.strip() == "error: --html needs plotly, which is not installed; pip install 'ampaudit[report]'"
     assert r.stdout == "" and not (tmp_path / "x.html").exists()
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_report_tables_split_no_number_at_any_width(width):
+    r = CliRunner(env={"COLUMNS": str(width)}).invoke(app, ["report", RUN])
+    assert r.exit_code == 0, r.output
+    for number in ("4.191e+04", "0.00451", "0.00213", "10.42", "0.00%"):    # headroom and divergence cells
+        assert number in r.stdout.split(), (width, number)
+    assert max(map(len, r.stdout.splitlines())) <= width

@@ -66,12 +66,22 @@ def _run_lines(s: dict) -> list[tuple[str, str]]:
     return lines
 
 
+def _columns(t: Table, spec) -> None:
+    """Add ``(header, justify)`` columns: names (left) fold only when a name is wider than its column; numbers
+    (right) never wrap, their headers wrap at spaces instead, so an 80-column terminal loses no character and
+    splits no number."""
+    for col, just in spec:
+        if just == "left":
+            t.add_column(col, justify="left", overflow="fold")
+        else:
+            t.add_column(col.replace(" ", "\n"), justify="right", no_wrap=True)
+
+
 def _divergence_table(div: dict) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col, just in (("module", "left"), ("max rel_l2", "right"), ("at step", "right"), ("last", "right"),
-                      ("min SQNR dB", "right"), (f"above {div.get('threshold', 0.05):.3g} from", "right"),
-                      ("verdict", "left")):
-        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    _columns(t, (("module", "left"), ("max rel_l2", "right"), ("at step", "right"), ("last", "right"),
+                 ("min SQNR dB", "right"), (f"above {div.get('threshold', 0.05):.3g} from", "right"),
+                 ("verdict", "left")))
     for r in div["top"]:
         t.add_row(escape(r["module"] or "<top>"), fmt(r["max_rel_l2"]), str(r["max_step"] or "-"),
                   fmt(r["last_rel_l2"]), fmt(r["min_sqnr_db"], ".1f"),
@@ -91,10 +101,8 @@ def _verdict(v: dict | None) -> str:
 
 def _headroom_table(hr: dict) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col, just in (("module", "left"), ("forward bits", "right"), ("at step", "right"),
-                      ("backward bits", "right"), ("max |x|", "right"), ("inf/nan", "right"), ("> max", "right"),
-                      ("subnormal", "right")):
-        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    _columns(t, (("module", "left"), ("forward bits", "right"), ("at step", "right"), ("backward bits", "right"),
+                 ("max |x|", "right"), ("inf/nan", "right"), ("> max", "right"), ("subnormal", "right")))
     for r in hr["top"]:
         fwd = fmt(r["forward_bits"], ".2f")
         low = num(r["forward_bits"]) is not None and num(r["forward_bits"]) < THRESHOLDS["low_headroom_bits"]
@@ -108,9 +116,8 @@ def _headroom_table(hr: dict) -> Table:
 
 def _fp8_table(layers: list[dict]) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col, just in (("module", "left"), ("at step", "right"), ("input amax", "right"), ("input flushed", "right"),
-                      ("grad_output amax", "right"), ("grad_output flushed", "right"), ("clipped", "right")):
-        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    _columns(t, (("module", "left"), ("at step", "right"), ("input amax", "right"), ("input flushed", "right"),
+                 ("grad_output amax", "right"), ("grad_output flushed", "right"), ("clipped", "right")))
     for r in layers:
         inp, go = r.get("input") or {}, r.get("grad_output") or {}
         clipped = max((num((r.get(role) or {}).get("clipped_share")) or 0.0 for role in ("input", "weight",
@@ -138,9 +145,8 @@ def _render_precursors(prec: dict, c: Console) -> None:
     c.print(f"\n[bold]Instability precursors[/] (rules/policy/precursors.toml)")
     if rows:
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-        for col, just in (("signal", "left"), ("module", "left"), ("max", "right"), ("at step", "right"),
-                          ("line", "right"), ("crossed at", "right")):
-            t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        _columns(t, (("signal", "left"), ("module", "left"), ("max", "right"), ("at step", "right"),
+                     ("line", "right"), ("crossed at", "right")))
         for r in rows:
             crossed = r["crossed_step"]
             t.add_row(r["signal"], escape(r["module"] or "<output>"), fmt(r["max"], ".4g"),
