@@ -13,7 +13,8 @@ around its children). :class:`~ampaudit.runtime.divergence.DivergenceProbe` meas
 Why recompute the children instead of returning their outputs from the FP32 shadow (cheaper): a child's input in
 the re-run carries the composite's own error from before the call (a norm computed by hand, then projected), and a
 cached output would drop it. A tensor the composite passes on untouched (its own input, one child's output handed
-to the next) reaches the receiving child as its FP32 value: rounding at that boundary is the receiver's own error
+to the next, unless the composite wrote into it in place) reaches the receiving child as its FP32 value: rounding
+at that boundary is the receiver's own error
 (it is fed rounded inputs in its own re-run), not the composite's. What the composite computes itself stays as it
 computed it, in the dtypes it really sees.
 """
@@ -36,8 +37,8 @@ class ChildrenInFP32:
         self.device_type, self.names = device_type, names
         self.composite: nn.Module | None = None
         self._child: tuple[nn.Module, Any] | None = None      # (outermost submodule in FP32, its autocast context)
-        # id(tensor handed to the composite rounded) -> (that tensor, its FP32 value)
-        self._fp32_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(tensor handed to the composite rounded) -> (that tensor, its FP32 value, its version counter then)
+        self._fp32_of: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._out_dtypes: dict[str, list[torch.dtype]] = {}
 
     def start(self, composite: nn.Module, rounded: Any, fp32: Any, out_dtypes: dict[str, list[torch.dtype]]) -> None:
@@ -75,13 +76,16 @@ class ChildrenInFP32:
     def _as_fp32(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        pair = self._fp32_of.get(id(t))
-        return pair[1] if pair is not None and pair[0] is t else upcast(t)
+        seen = self._fp32_of.get(id(t))
+        # Untouched only if the composite did not write into it since (`out += identity` in a residual block):
+        # an in-place update makes it the composite's own value, which its FP32 twin does not hold.
+        untouched = seen is not None and seen[0] is t and t._version == seen[2]
+        return seen[1] if untouched else upcast(t)
 
     def _remember(self, rounded: Any, fp32: Any) -> None:
         for r, f in zip(float_tensors(rounded), float_tensors(fp32)):
             if r is not f:
-                self._fp32_of[id(r)] = (r, f)
+                self._fp32_of[id(r)] = (r, f, r._version)
 
     def _leave(self) -> None:
         child, self._child = self._child, None
