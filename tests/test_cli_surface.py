@@ -190,3 +190,25 @@ def test_fsdp_keeps_batchnorm_in_fp32():
         bn = next(m for m in t.model.modules() if isinstance(m, nn.BatchNorm1d))
         assert bn.running_var.dtype == torch.float32 and bn.weight.dtype == torch.float32
     assert not dist.is_initialized()
+
+
+def test_an_unmeasured_detail_is_null_in_json_and_a_question_mark_in_text(tmp_path):
+    import torch
+    from torch import nn
+
+    import ampaudit
+    from ampaudit.rules.registry import MATCHERS, Hit, matcher
+
+    @matcher("_test_unmeasured", fields={"share"})
+    def _unmeasured(ctx, rule):
+        yield Hit(next(iter(ctx.gm.graph.nodes)), {"share": None})
+
+    try:
+        (tmp_path / "r.toml").write_text('[[rule]]\nid = "X900"\nname = "unmeasured"\nfamily = "alignment"\n'
+                                         'severity = "info"\nmatcher = "_test_unmeasured"\n'
+                                         'message = "({share} of the work)"\nwhy = "w"\n')
+        report = ampaudit.check(nn.Linear(8, 8), torch.randn(2, 8), rules_dirs=[tmp_path], select=["X900"])
+        (f,) = report.findings
+        assert f.message == "(? of the work)" and f.as_dict()["details"]["share"] is None
+    finally:
+        MATCHERS.pop("_test_unmeasured", None)

@@ -57,8 +57,9 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     src = hit.source or (source_of(node) if node is not None else None)
     module = hit.module if hit.module is not None else (info.module if info else "")
     op = hit.op or (info.op if info else "")
+    # A detail the matcher could not measure is null in JSON and "?" in the text.
     fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
-              "low": ctx.policy.short(), **hit.details}
+              "low": ctx.policy.short(), **{k: "?" if v is None else v for k, v in hit.details.items()}}
     variant = _variant(ctx, rule, hit)
     fix_text = variant.get("fix", rule.fix)
     try:

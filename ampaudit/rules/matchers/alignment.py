@@ -39,7 +39,7 @@ def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]]
     for dim, value, gemms in off:
         yield Hit(node, {"kind": kind, "shape": shape, "dim": dim, "value": value, "multiple": multiple,
                          "padded": round_up(value, multiple), "gemms": gemms,
-                         "share": f"{share:.1%}" if share is not None else "?"},
+                         "share": f"{share:.1%}" if share is not None else None},
                   variant="small" if small else None)
 
 

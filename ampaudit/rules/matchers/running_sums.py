@@ -176,7 +176,7 @@ def _hit(node: fx.Node, cum: fx.Node, dim: int, window: int | None, one_sign: bo
     depth = cinfo.shape[dim]
     eps = torch.finfo(cinfo.dtype).eps
     details = {"compute_dtype": name_of(cinfo.dtype), "depth": depth,
-               "window": window if window is not None else "?", "cumulative": cinfo.op}
+               "window": window, "cumulative": cinfo.op}
     if window is None:
         details["error_note"] = (f"; for terms of one sign a window of w is off by up to {eps * depth:.3g} / w of "
                                  f"its value")

@@ -92,9 +92,9 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
             continue
         low_inputs = any(ctx.is_low(d) for d in info.input_dtypes if d is not None)
         depth = reduction_depth(ctx, node)
-        details = {"compute_dtype": name_of(info.compute_dtype), "depth": depth if depth is not None else "?",
+        details = {"compute_dtype": name_of(info.compute_dtype), "depth": depth,
                    "overflow_note": _overflow_note(ctx, node), "policy_note": "",
-                   "per_term": f"{ctx.policy.limits.max / depth:.3g}" if depth else "?"}
+                   "per_term": f"{ctx.policy.limits.max / depth:.3g}" if depth else None}
         if ctx.is_low(info.compute_dtype):
             if info.category is None and ctx.policy.device == "cpu" and ctx.policy.table and _upcast_on_cuda(info.op):
                 details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
