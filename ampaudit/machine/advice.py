@@ -52,7 +52,7 @@ def _check(id: str, status: str, message: str, fix: str | None = None, source: s
 def judge(facts: dict[str, Any]) -> dict[str, Any]:
     """The report for ``facts`` (``gather()``'s shape): the facts, each GPU's ``supports`` and the checks."""
     gpus = [{**g, "supports": _supports(g, facts["torch"])} for g in facts["gpus"]]
-    cpu = {**facts["cpu"], "native": _cpu_native(facts["cpu"])}
+    cpu = {**facts["cpu"], "native": cpu_native(facts["cpu"])}
     extras = {name: {**e, "enables": EXTRAS[name][1] if name in EXTRAS else None,
                      "installed": all(v is not None for v in e["packages"].values())}
               for name, e in facts["extras"].items()}
@@ -269,7 +269,7 @@ def _flag_checks(f: dict, gpus: list[dict]) -> list[dict]:
 
 # --- CPU ---------------------------------------------------------------------------------------------------------
 
-def _cpu_native(cpu: dict) -> dict[str, list[str] | None]:
+def cpu_native(cpu: dict) -> dict[str, list[str] | None]:
     """``{"bf16": ["AMX-BF16", ...], "fp16": [...]}``: the named flags this CPU has (None: flags unknown)."""
     flags = cpu.get("flags")
     table = _table()["cpu"]

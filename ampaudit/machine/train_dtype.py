@@ -38,13 +38,13 @@ def default_train_dtype(device: str) -> tuple[str, str]:
         if cc >= need:
             return "bfloat16", f"this GPU (sm_{major}{minor}) has bf16 Tensor Cores: no loss scaling needed"
         return "float16", f"this GPU (sm_{major}{minor}) has no bf16 Tensor Cores (sm_80 and newer have)"
+    from ampaudit.machine.advice import cpu_native
     from ampaudit.machine.facts import cpu_facts
 
-    flags = set(cpu_facts().get("flags") or ())
-    bf16 = [name for flag, name in table["cpu"]["bf16"]["flags"].items() if flag in flags]
+    native = cpu_native(cpu_facts())           # the names doctor prints, from the same devices.toml table
+    bf16, fp16 = native["bf16"] or [], native["fp16"] or []
     if bf16:
         return "bfloat16", f"this CPU multiplies bf16 natively ({', '.join(bf16)})"
-    fp16 = [name for flag, name in table["cpu"]["fp16"]["flags"].items() if flag in flags]
     if fp16:
         return "float16", f"this CPU multiplies fp16 natively ({', '.join(fp16)}) but not bf16"
     return "float16", "this CPU has neither native bf16 nor fp16 (--dtype float32 may well be faster)"

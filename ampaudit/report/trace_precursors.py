@@ -143,12 +143,9 @@ def precursor_summary(data: Any) -> dict:
             "diverged_step": min(candidates) if candidates else None}
 
 
-def _fmt(x: Any) -> str:
-    v = num(x)
-    return "-" if v is None else str(x) if not math.isfinite(v) else f"{v:.3g}"
-
-
 def _message(row: dict, cfg: dict, before: int | None) -> str:
+    from ampaudit.report.trace_console import fmt as _fmt  # it imports rich, which the summary needs only here
+
     where = row["module"] or "the model's output"
     at = f"crossed {_fmt(row['threshold'])} at step {row['crossed_step']}"
     then = f" and reached {_fmt(row['max'])} at step {row['max_step']}"

@@ -63,7 +63,9 @@ def swamping_summary(data: Any) -> dict:
 
 
 def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{x:.0%}"
+    from ampaudit.report.trace_console import fmt  # it imports rich, which the summary needs only here
+
+    return fmt(x, ".0%", none="?")
 
 
 def _line(r: dict) -> str:
