@@ -146,3 +146,24 @@ def test_a_composite_whose_rerun_raises_costs_its_own_error_only():
     assert own["lin"] < 2 * U and own["picky"] < 2 * U and own[""] is None      # the composite's alone is lost
     assert any("own error of the top module skipped" in n for n in notes), notes
     assert not torch.is_autocast_enabled("cpu")                                # its FP32 region was closed
+
+
+class _PassOn(nn.Module):
+    def forward(self, x):
+        return x * 1.0
+
+
+def test_a_pass_through_fed_fp16_subnormals_has_no_own_error():
+    # Activations of ~1e-6 (a random-init net's tail: halonet50ts's head) sit in fp16's subnormals, where
+    # storing a value loses digits whoever stores it; a module that only hands them on must not read as a
+    # culprit (the first Linear, whose weights themselves round to subnormals, keeps its error).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _PassOn(), nn.Identity(), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-5)
+        model[0].bias.mul_(1e-5)
+    rows = {r["module"]: r for r in compare_to_fp32(model, (torch.randn(8, 32),), dtype=torch.float16,
+                                                     device_type="cpu")}
+    assert rows["1"]["rel_l2"] > 2 ** -10 * 8             # the values it receives are off by > 8 u ...
+    assert rows["1"]["local_rel_l2"] == 0.0 and rows["2"]["local_rel_l2"] == 0.0   # ... not by its doing
+    assert rows["0"]["local_rel_l2"] > 2 ** -10 * 8

@@ -14,7 +14,8 @@ Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR 
 - ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
 - ``local``: the module's *own* error: the module alone under autocast, fed the shadow's FP32 inputs rounded
   to the dtypes its inputs had in the real run (fed FP32, a module that computes in bf16 only *because bf16
-  arrives* would read 0), against its FP32 output. A composite (the root too) is re-run with the submodules it
+  arrives* would read 0), against its FP32 output as the module's output dtype holds it (rounding the exact
+  answer is the dtype's range, not the module's code: fp16 subnormals), where finite. A composite (the root too) is re-run with the submodules it
   calls computed in FP32 and handed back rounded to their real dtypes (:mod:`ampaudit.runtime.own_rerun`): the
   error of its own code, so a parent never inherits a child's fault. That costs an FP32 forward of its subtree,
   so ``begin(composites=...)`` picks which composites a check re-runs; ``local="leaves"`` keeps leaves only.
@@ -42,7 +43,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.notes import note
 from ampaudit.policy import op_names
-from ampaudit.runtime.fp32 import ieee_fp32, rounded_to, upcast
+from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
 from ampaudit.runtime.own_rerun import ChildrenInFP32
@@ -325,7 +326,11 @@ class DivergenceProbe:
             torch.set_rng_state(now)
             for d, s in now_cuda.items():
                 torch.cuda.set_rng_state(s, d)
-        sums = self._batch.add([(a, b) for a, b in zip(float_tensors(lo), refs) if a.shape == b.shape])
+        # Against the FP32 answer as the module's output dtype holds it: rounding the exact result is the
+        # dtype's range (values in fp16's subnormals lose digits in any module that outputs them; AMP503 reports
+        # them), not the module's code; a pass-through module fed such values would read as a culprit.
+        sums = self._batch.add([(a, as_stored(b, a.dtype)) for a, b in zip(float_tensors(lo), refs)
+                                if a.shape == b.shape])
         if sums is not None:
             self._pending.append(({**tag, "scope": "local"}, sums))
 

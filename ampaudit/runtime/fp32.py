@@ -78,3 +78,14 @@ def rounded_to(args: tuple, dtypes: list[torch.dtype]) -> tuple:
     if all(type(a) is torch.Tensor for a in args):   # the common case, without pytree
         return tuple(cast(a) for a in args)
     return tree_map(cast, args)
+
+
+def as_stored(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP32 reference ``ref`` as a tensor of ``dtype`` would hold it (rounded, kept in ``ref``'s dtype), where
+    that is finite; where rounding overflows, ``ref`` itself (an output that really overflows stays compared with
+    the finite answer)."""
+    if dtype == ref.dtype or not dtype.is_floating_point or dtype.itemsize >= ref.dtype.itemsize:
+        return ref
+    stored = ref.to(dtype).to(ref.dtype)
+    return torch.where(torch.isfinite(stored), stored, ref)
+
