@@ -75,3 +75,11 @@ def test_first_crossing_is_the_first_measurement_past_the_culprits_line():
     events = [("layers.0.fc", 1, 0.5), ("router", 1, line / 2), ("router", 2, 0.07), ("router", 3, 0.09)]
     assert first_crossing(found, events) == {"module": "router", "step": 2, "rel_l2": 0.07, "rule": "relative"}
     assert first_crossing([], events) is None
+
+
+def test_rounding_only_excuses_what_it_explains():
+    # Normal-range rounding (<= 1 u each side) never excuses a flagged module; subnormal rounding does.
+    u = 2.0 ** -8
+    own = {f"m{i}": 0.8 * u for i in range(8)} | {"bad": 40 * u}
+    assert [c.module for c in culprits(own, torch.bfloat16, rounding={"bad": 2 * u})] == ["bad"]
+    assert culprits(own, torch.bfloat16, rounding={"bad": 25 * u}) == []

@@ -167,3 +167,27 @@ def test_a_pass_through_fed_fp16_subnormals_has_no_own_error():
     assert rows["1"]["rel_l2"] > 2 ** -10 * 8             # the values it receives are off by > 8 u ...
     assert rows["1"]["local_rel_l2"] == 0.0 and rows["2"]["local_rel_l2"] == 0.0   # ... not by its doing
     assert rows["0"]["local_rel_l2"] > 2 ** -10 * 8
+
+
+def test_rounding_around_a_module_fed_subnormals_excuses_its_own_error():
+    # A Linear fed fp16-subnormal activations loses digits on its inputs before its GEMM runs: its own error is
+    # the dtype's range (AMP503's), and what rounding alone loses around it says so.
+    from ampaudit.runtime.attribution import culprits, rounding_around
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256),
+                          nn.Linear(256, 256), nn.Linear(256, 8))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-6)               # outputs ~5e-7: deep in fp16's subnormals
+        model[1].weight.mul_(1e5)                # ... which the next Linear brings back to ~0.03
+        model[0].bias.zero_()
+        model[1].bias.zero_()
+    rows = {r["module"]: r for r in compare_to_fp32(model, (torch.randn(8, 32),), dtype=torch.float16,
+                                                     device_type="cpu")}
+    u = 2.0 ** -11
+    fed = rows["1"]
+    assert fed["local_rel_l2"] > 8 * u and fed["local_input_rel_l2"] > 8 * u    # subnormal inputs, rounded
+    own = {n: r["local_rel_l2"] for n, r in rows.items()}
+    flagged = {c.module for c in culprits(own, torch.float16)}
+    excused = {c.module for c in culprits(own, torch.float16, rounding={n: rounding_around(r) for n, r in rows.items()})}
+    assert "1" in flagged and "1" not in excused

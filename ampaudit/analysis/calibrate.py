@@ -55,7 +55,7 @@ class Calibration:
 
 def _merge(into: dict, row: dict) -> None:
     # Over several batches keep the worst value of each metric.
-    worse_high = ("rel_l2", "max_abs", "local_rel_l2", "local_max_abs", "absmax", "overflow", "underflow_share",
+    worse_high = ("rel_l2", "max_abs", "local_rel_l2", "local_max_abs", "local_input_rel_l2", "local_output_rel_l2", "absmax", "overflow", "underflow_share",
                   "flush_share")
     worse_low = ("cosine", "sqnr_db", "local_cosine", "local_sqnr_db", "headroom_bits")
     for key, value in row.items():

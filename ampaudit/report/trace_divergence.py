@@ -51,12 +51,17 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
     """The flagged modules of the ranked scope (:func:`ampaudit.runtime.attribution.culprits` on each module's
     worst value): the verdict ``check --calibrate`` gives. Own errors (scope "local") are judged on their own;
     other scopes accumulate from the input on and are judged as inherited (a module below explains its parents)."""
-    from ampaudit.runtime.attribution import culprits
+    from ampaudit.runtime.attribution import culprits, rounding_around
 
     if scope is None:
         return []
     worst = {r["module"]: r["max_rel_l2"] for r in tables.get(scope, [])}
-    return culprits(worst, data.meta.get("dtype"), inherited=scope != "local")
+    rounding: dict[str, float] = {}
+    for d in data.divergence:
+        lost = rounding_around(d) if d["scope"] == scope else None
+        if lost is not None and math.isfinite(lost):
+            rounding[d["module"]] = max(lost, rounding.get(d["module"], 0.0))
+    return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding)
 
 
 def rank_by_verdict(rows: list[dict], found: list) -> list[dict]:

@@ -169,7 +169,8 @@ def collect(events: Iterable[dict]) -> TraceData:
             data.divergence.append({
                 "step": step, "module": _text(ev.get("module")) or "", "scope": _text(ev.get("scope")) or "global",
                 "param": _text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
-                "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db"))})
+                "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db")),
+                "input_rel_l2": num(ev.get("input_rel_l2")), "output_rel_l2": num(ev.get("output_rel_l2"))})
         elif kind == "skip":
             mods = ev.get("modules")
             params = ev.get("params")

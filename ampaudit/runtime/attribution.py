@@ -19,6 +19,14 @@ inputs it really receives, a composite with its children computed in FP32: see
   never an error: the module is far noisier than the rest of the model, which is worth a look, but the dtype
   alone would not call its error a fault.
 
+An own error that rounding alone explains is not judged: at most ``rounding_explains`` times what the module's
+inputs (a composite's children's outputs included) lost by being rounded to their real dtypes plus what storing
+the exact answer in its output dtype loses (``rounding``: module -> that sum of two relative L2s). In the dtype's
+normal range each rounding loses at most a unit roundoff, so the excuse stays under the lines there and only
+covers modules that see values in the dtype's subnormals (a random-init net whose activations are ~1e-5 in
+fp16), which AMP503 reports where they are produced. Cancellation is still caught: rounding 0.2 u of its
+inputs does not explain a difference that comes out 30% wrong.
+
 With own errors, a composite's value no longer holds its children's, so a flagged child does not excuse its
 parent and vice versa. One exception stays: a non-finite own error of a module with a non-finite descendant is
 the descendant's overflow reaching it (the re-run hands the composite its children's results rounded to the
@@ -98,15 +106,20 @@ def _why(rule: str, v: float, units: float, ratio: float | None, median: float |
 
 
 def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *,
-             inherited: bool = False) -> list[Culprit]:
+             inherited: bool = False, rounding: Mapping[str, float | None] | None = None) -> list[Culprit]:
     """The flagged modules of ``own`` (module -> own error; None: not measured), worst first.
-    ``inherited``: the values accumulate from the input on (scope ``global``); see the module docstring."""
+    ``inherited``: the values accumulate from the input on (scope ``global``); ``rounding``: module -> what
+    rounding alone loses around it (:func:`rounding_around`), for the excuse the module docstring describes."""
     dtype = low_dtype(dtype)
     u = unit_roundoff(dtype)
     median, peers = peer_median(own)
+    explain = float(settings()["attribution"]["rounding_explains"])
     judged: dict[str, tuple[float, tuple[str, str, float]]] = {}
     for name, v in own.items():
         if v is None:
+            continue
+        lost = (rounding or {}).get(name)
+        if lost is not None and math.isfinite(v) and math.isfinite(lost) and v <= explain * lost:
             continue
         verdict = _verdict(v, dtype, median)
         if verdict is not None:
@@ -129,6 +142,14 @@ def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *
         out.append(Culprit(name, v, units, ratio, median, peers, rule, severity, line, rank,
                            _why(rule, v, units, ratio, median, peers, dtype)))
     return out
+
+
+def rounding_around(row: Mapping) -> float | None:
+    """What rounding alone loses around a module: its inputs' rounding plus its output's storage (relative L2s
+    of a local divergence row, prefixed ``local_`` in calibration's rows); None when neither was measured."""
+    parts = [row.get(k, row.get("local_" + k)) for k in ("input_rel_l2", "output_rel_l2")]
+    parts = [p for p in parts if p is not None]
+    return sum(parts) if parts else None
 
 
 def crosses(culprit: Culprit, value: float | None) -> bool:

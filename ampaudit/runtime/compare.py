@@ -21,7 +21,9 @@ def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *
 
     Returns one row per module in execution order: ``module``; global ``rel_l2``, ``cosine``, ``max_abs``,
     ``sqnr_db``; the same prefixed ``local_`` (the module's own error: alone on its inputs as the autocast run had
-    them, a composite, the root included, with the submodules it calls computed in FP32); and from the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
+    them, a composite, the root included, with the submodules it calls computed in FP32) and ``local_input_rel_l2``
+    (what rounding its inputs to their real dtypes lost, where it changed them), ``local_output_rel_l2`` (what
+    storing the FP32 answer in its output dtype loses); and from the FP32 reference outputs ``absmax``, ``headroom_bits`` (log2(dtype max / absmax)), ``overflow``
     (values above the dtype's max), ``underflow_share`` (share of nonzero values below its smallest normal)
     and ``flush_share`` (share that would round to zero). Buffers and RNG are left as they were.
     """
@@ -48,6 +50,9 @@ def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *
         prefix = "" if ev["scope"] == "global" else "local_"
         for m in METRICS:
             row[prefix + m] = ev[m]
+        for key in ("input_rel_l2", "output_rel_l2"):
+            if key in ev:
+                row["local_" + key] = ev[key]
     for name, r in probe.ranges_by_module().items():
         rows.setdefault(name, {"module": name}).update(r)
     return list(rows.values())

@@ -15,7 +15,10 @@ Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR 
 - ``local``: the module's *own* error: the module alone under autocast, fed the shadow's FP32 inputs rounded
   to the dtypes its inputs had in the real run (fed FP32, a module that computes in bf16 only *because bf16
   arrives* would read 0), against its FP32 output as the module's output dtype holds it (rounding the exact
-  answer is the dtype's range, not the module's code: fp16 subnormals), where finite. A composite (the root too) is re-run with the submodules it
+  answer is the dtype's range, not the module's code: fp16 subnormals), where finite; ``input_rel_l2`` beside
+  it is what its inputs (a composite's: also its children's outputs) lost by that rounding before it saw them
+  (at most a unit roundoff in the dtype's normal range), ``output_rel_l2`` what storing the exact answer in its
+  output dtype loses. A composite (the root too) is re-run with the submodules it
   calls computed in FP32 and handed back rounded to their real dtypes (:mod:`ampaudit.runtime.own_rerun`): the
   error of its own code, so a parent never inherits a child's fault. That costs an FP32 forward of its subtree,
   so ``begin(composites=...)`` picks which composites a check re-runs; ``local="leaves"`` keeps leaves only.
@@ -46,7 +49,7 @@ from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
-from ampaudit.runtime.own_rerun import ChildrenInFP32
+from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -57,6 +60,7 @@ AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
     getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])
     if isinstance(getattr(nn, name, None), type))
 _NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
+_ROUNDING_OF = "_rounding_of"   # tag of a pending row that is a rounding measure of the local row before it
 _ZERO_ERROR = (0.0, 0.0, 0.0, 0.0, 0.0)  # metric sums of two identical tensors: rel_l2 0, max_abs 0
 
 
@@ -329,10 +333,20 @@ class DivergenceProbe:
         # Against the FP32 answer as the module's output dtype holds it: rounding the exact result is the
         # dtype's range (values in fp16's subnormals lose digits in any module that outputs them; AMP503 reports
         # them), not the module's code; a pass-through module fed such values would read as a culprit.
-        sums = self._batch.add([(a, as_stored(b, a.dtype)) for a, b in zip(float_tensors(lo), refs)
-                                if a.shape == b.shape])
-        if sums is not None:
-            self._pending.append(({**tag, "scope": "local"}, sums))
+        stored = [(a, as_stored(b, a.dtype), b) for a, b in zip(float_tensors(lo), refs) if a.shape == b.shape]
+        sums = self._batch.add([(a, s) for a, s, _ in stored])
+        if sums is None:
+            return
+        self._pending.append(({**tag, "scope": "local"}, sums))
+        # What rounding alone costs around it: its inputs (a composite's: also its children's outputs) rounded
+        # before it saw them, and the exact answer stored in its output dtype. In the dtype's normal range each
+        # is at most a unit roundoff; in its subnormals far more (attribution excuses an own error they explain).
+        inputs = rounding_pairs(args, fp32) + (self._own.handed() if mod in self._composites else [])
+        output = [(s, b) for _, s, b in stored if s is not b]
+        for key, pairs in (("input_rel_l2", inputs), ("output_rel_l2", output)):
+            part = self._batch.add(pairs) if pairs else None
+            if part is not None:
+                self._pending.append(({_ROUNDING_OF: key}, part))
 
     # --- gradients -----------------------------------------------------------------------------------
     def grads(self, upstream: list[torch.Tensor | None]) -> None:
@@ -375,7 +389,12 @@ class DivergenceProbe:
         n, at = len(batched) if batched is not None else 0, iter(range(len(own)))
         picked = [values[s] if isinstance(s, int) else values[n + next(at)] if isinstance(s, torch.Tensor)
                   else list(s) for _, s in self._pending]
-        out = [{**tag, **finish_metrics(v)} for (tag, _), v in zip(self._pending, picked)]
+        out: list[dict] = []
+        for (tag, _), v in zip(self._pending, picked):
+            if _ROUNDING_OF in tag:      # a rounding measure of the local row just before it
+                out[-1][tag[_ROUNDING_OF]] = finish_metrics(v)["rel_l2"]
+            else:
+                out.append({**tag, **finish_metrics(v)})
         self._pending.clear()
         return out
 

@@ -30,6 +30,13 @@ from ampaudit.runtime.fp32 import rounded_to, upcast
 from ampaudit.runtime.locate import float_tensors
 
 
+def rounding_pairs(rounded: Any, fp32: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(rounded, FP32) pairs of the floating tensors that rounding to a lower dtype changed: what a module's
+    re-run receives already rounded (the probe's ``input_rel_l2``)."""
+    return [(r, f) for r, f in zip(float_tensors(rounded), float_tensors(fp32))
+            if r is not f and r.dtype != f.dtype and r.shape == f.shape]
+
+
 class ChildrenInFP32:
     """The state of one composite's re-run at a time; see the module docstring."""
 
@@ -40,10 +47,14 @@ class ChildrenInFP32:
         # id(tensor handed to the composite rounded) -> (that tensor, its FP32 value, its version counter then)
         self._fp32_of: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._out_dtypes: dict[str, list[torch.dtype]] = {}
+        # (rounded, FP32) pairs of the children's outputs handed back during the current re-run: what the
+        # composite's own code receives already rounded (see handed()).
+        self._handed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def start(self, composite: nn.Module, rounded: Any, fp32: Any, out_dtypes: dict[str, list[torch.dtype]]) -> None:
         """Before the composite's re-run on ``rounded`` (its FP32 inputs ``fp32`` rounded to their real dtypes)."""
         self.composite, self._out_dtypes = composite, out_dtypes
+        self._handed = []
         self._remember(rounded, fp32)
 
     def stop(self) -> None:
@@ -71,7 +82,12 @@ class ChildrenInFP32:
             return None
         rounded = rounded_to((out,), dtypes)[0]
         self._remember(rounded, out)
+        self._handed.extend(rounding_pairs(rounded, out))
         return rounded
+
+    def handed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(rounded, FP32) pairs of the children's outputs the last re-run handed the composite."""
+        return self._handed
 
     def _as_fp32(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):

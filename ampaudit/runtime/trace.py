@@ -55,7 +55,10 @@ Version 3 also adds ``divergence`` events of scope ``local`` for composite modul
 module's own error at every depth, a composite's measured with the submodules it calls computed in FP32 (see
 :mod:`ampaudit.runtime.divergence`), on the checks ``composite_divergence_every`` picks. A version-2 trace holds
 ``local`` events for leaf modules only, with the same meaning; the report judges both the same way
-(:mod:`ampaudit.runtime.attribution`), so in a version-2 trace no composite can be named. Besides these, a version-2 trace
+(:mod:`ampaudit.runtime.attribution`), so in a version-2 trace no composite can be named. A ``local`` event may
+carry ``input_rel_l2`` (what rounding its inputs, a composite's children's outputs included, to their real dtypes
+lost) and ``output_rel_l2`` (what storing its exact answer in its output dtype loses); an own error these explain
+is not judged. Traces without them are judged without that excuse. Besides these, a version-2 trace
 is a version-3 trace without the three new kinds.
 """
 from __future__ import annotations
