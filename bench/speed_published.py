@@ -1,0 +1,95 @@
+"""The whole-step speed model against published end-to-end runs: Llama3-8B on 8xH100 and 8xB200 (torchao's and
+torchtitan's tables), predicted from the model's shapes and the GPUs' datasheets, beside the published speed-ups.
+
+    PYTHONPATH=$PWD python bench/speed_published.py            # the comparison, the parts of each step
+    PYTHONPATH=$PWD python bench/speed_published.py --json     # the same as JSON
+
+The runs, their settings and the published tokens/s are rules/policy/speed_published.toml; the model is
+ampaudit/planning/step_model.py. Nothing is fitted: the published numbers are read only to be compared with.
+For a prediction outside the tolerance the last column says what the recipe's low-precision GEMMs would have
+to reach (as a fraction of the format's peak; the model assumes torchao's 0.78) for the step to match.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ampaudit.planning import speed
+from ampaudit.planning.step_model import compare, load_runs, ratio_tolerance, step_seconds
+
+PARTS = ("gemm_low", "gemm_bf16", "casts", "attention", "pointwise", "optimizer", "fsdp_copies", "communication")
+
+
+def implied_gemm_efficiency(run, recipe: str, published: float) -> float | None:
+    """The fraction of peak the low-precision GEMMs would need for the predicted speed-up to equal
+    ``published`` (the other parts as modelled); None when no fraction does."""
+    base = step_seconds(run, run.baseline)["total"]
+    step = step_seconds(run, recipe)
+    low = step["parts"]["gemm_low"]
+    needed = low + base / published - step["total"]
+    return speed.efficiency()["gemm"] * low / needed if needed > 0 else None
+
+
+def rows() -> list[dict]:
+    """One dict per (run, recipe) compared, with the step parts in seconds."""
+    out = []
+    tol = ratio_tolerance()
+    for run in load_runs().values():
+        base = step_seconds(run, run.baseline)
+        for c in compare(run):
+            step = step_seconds(run, c.recipe)
+            row = {"run": run.name, "gpu": run.gpu, "recipe": c.recipe, "published_speedup": c.published,
+                   "predicted_speedup": c.predicted, "error": c.error, "within": abs(c.error) <= tol,
+                   "published_tps": c.published_tps, "predicted_tps": c.predicted_tps,
+                   "published_baseline_tps": run.published[run.baseline],
+                   "predicted_baseline_tps": run.tokens / base["total"],
+                   "parts": step["parts"], "baseline_parts": base["parts"], "source": run.source}
+            row["implied_gemm_efficiency"] = None if row["within"] else \
+                implied_gemm_efficiency(run, c.recipe, c.published)
+            out.append(row)
+    return out
+
+
+def _print(table: list[dict]) -> None:
+    tol = ratio_tolerance()
+    print(f"Speed-up over bf16, predicted from shapes vs published (tolerance +-{tol:.0%} of the ratio)\n")
+    print(f"{'run':<16} {'gpu':<10} {'recipe':<18} {'published':>9} {'predicted':>9} {'error':>7}  "
+          f"{'ok':<3} {'needs GEMM at':>13}")
+    for r in table:
+        need = r["implied_gemm_efficiency"]
+        print(f"{r['run']:<16} {r['gpu']:<10} {r['recipe']:<18} {r['published_speedup']:>9.3f} "
+              f"{r['predicted_speedup']:>9.3f} {r['error']:>+7.1%}  {'yes' if r['within'] else 'NO':<3} "
+              f"{'' if need is None and r['within'] else (f'{need:.2f} of peak' if need else 'none'):>13}")
+    print("\nAbsolute tokens/s per GPU (the model has no power limit, overlap loss or host time)\n")
+    seen = set()
+    for r in table:
+        key = (r["run"], "bfloat16")
+        if key not in seen:
+            seen.add(key)
+            print(f"{r['run']:<16} {'bfloat16':<18} published {r['published_baseline_tps']:>8.0f}  "
+                  f"predicted {r['predicted_baseline_tps']:>8.0f}")
+        print(f"{r['run']:<16} {r['recipe']:<18} published {r['published_tps']:>8.0f}  "
+              f"predicted {r['predicted_tps']:>8.0f}")
+    print("\nParts of one step, ms per GPU (bf16 | recipe)\n")
+    print(f"{'run':<16} {'recipe':<18} " + " ".join(f"{p:>13}" for p in PARTS))
+    for r in table:
+        cells = [f"{1e3 * r['baseline_parts'][p]:>5.0f} | {1e3 * r['parts'][p]:>4.0f}" for p in PARTS]
+        print(f"{r['run']:<16} {r['recipe']:<18} " + " ".join(f"{c:>13}" for c in cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    table = rows()
+    if args.json:
+        json.dump(table, sys.stdout, indent=1)
+        print()
+    else:
+        _print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
