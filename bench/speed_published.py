@@ -18,6 +18,7 @@ import sys
 from ampaudit.planning import speed
 from ampaudit.planning.step_model import compare, load_runs, ratio_tolerance, step_seconds
 
+COMPILE = "compile_vs_eager"
 PARTS = ("gemm_low", "gemm_bf16", "casts", "attention", "pointwise", "optimizer", "fsdp_copies", "communication")
 
 
@@ -36,16 +37,19 @@ def rows() -> list[dict]:
     out = []
     tol = ratio_tolerance()
     for run in load_runs().values():
-        base = step_seconds(run, run.baseline)
         for c in compare(run):
-            step = step_seconds(run, c.recipe)
+            if c.recipe == COMPILE:   # compiled bf16 over eager bf16
+                base, step = step_seconds(run, "bfloat16", compiled=False), step_seconds(run, "bfloat16")
+            else:
+                base, step = step_seconds(run, run.baseline), step_seconds(run, c.recipe)
             row = {"run": run.name, "gpu": run.gpu, "recipe": c.recipe, "published_speedup": c.published,
                    "predicted_speedup": c.predicted, "error": c.error, "within": abs(c.error) <= tol,
                    "published_tps": c.published_tps, "predicted_tps": c.predicted_tps,
-                   "published_baseline_tps": run.published[run.baseline],
+                   "published_baseline_tps": run.published_eager if c.recipe == COMPILE else
+                   run.published[run.baseline],
                    "predicted_baseline_tps": run.tokens / base["total"],
                    "parts": step["parts"], "baseline_parts": base["parts"], "source": run.source}
-            row["implied_gemm_efficiency"] = None if row["within"] else \
+            row["implied_gemm_efficiency"] = None if row["within"] or c.recipe == COMPILE else \
                 implied_gemm_efficiency(run, c.recipe, c.published)
             out.append(row)
     return out
@@ -64,14 +68,15 @@ def _print(table: list[dict]) -> None:
     print("\nAbsolute tokens/s per GPU (the model has no power limit, overlap loss or host time)\n")
     seen = set()
     for r in table:
-        key = (r["run"], "bfloat16")
-        if key not in seen:
-            seen.add(key)
-            print(f"{r['run']:<16} {'bfloat16':<18} published {r['published_baseline_tps']:>8.0f}  "
+        first = "bfloat16 eager" if r["recipe"] == COMPILE else "bfloat16"
+        if (r["run"], first) not in seen:
+            seen.add((r["run"], first))
+            print(f"{r['run']:<16} {first:<18} published {r['published_baseline_tps']:>8.0f}  "
                   f"predicted {r['predicted_baseline_tps']:>8.0f}")
-        print(f"{r['run']:<16} {r['recipe']:<18} published {r['published_tps']:>8.0f}  "
-              f"predicted {r['predicted_tps']:>8.0f}")
-    print("\nParts of one step, ms per GPU (bf16 | recipe)\n")
+        if r["recipe"] != COMPILE:
+            print(f"{r['run']:<16} {r['recipe']:<18} published {r['published_tps']:>8.0f}  "
+                  f"predicted {r['predicted_tps']:>8.0f}")
+    print("\nParts of one step, ms per GPU (bf16 | recipe; for compile_vs_eager: bf16 eager | compiled)\n")
     print(f"{'run':<16} {'recipe':<18} " + " ".join(f"{p:>13}" for p in PARTS))
     for r in table:
         cells = [f"{1e3 * r['baseline_parts'][p]:>5.0f} | {1e3 * r['parts'][p]:>4.0f}" for p in PARTS]

@@ -302,6 +302,17 @@ def test_bf16_gemms_are_six_flops_per_parameter_token_plus_the_recomputed_forwar
     assert step_seconds(run, "bfloat16")["parts"]["gemm_bf16"] == pytest.approx(flops / rate, rel=1e-6)
 
 
+def test_eager_differs_from_compiled_only_in_its_unfused_pointwise_kernels():
+    from ampaudit.planning.step_model import step_seconds
+    run = _runs()["torchtitan_h100"]
+    eager, compiled = step_seconds(run, "bfloat16", compiled=False), step_seconds(run, "bfloat16")
+    assert eager["parts"]["pointwise"] > 2 * compiled["parts"]["pointwise"]
+    assert {p: v for p, v in eager["parts"].items() if p not in ("pointwise", "communication")} == \
+        {p: v for p, v in compiled["parts"].items() if p not in ("pointwise", "communication")}
+    with pytest.raises(UsageError, match="eager"):
+        step_seconds(run, "tensorwise", compiled=False)
+
+
 def test_a_step_in_a_recipe_the_gpu_lacks_is_a_usage_error():
     from ampaudit.planning.step_model import step_seconds
     with pytest.raises(UsageError, match="no native mxfp8 kernels"):
@@ -332,6 +343,6 @@ def test_bench_script_prints_every_comparison_and_its_json():
     with redirect_stdout(out):
         bench.main(["--json"])
     rows = json.loads(out.getvalue())
-    assert len(rows) == 6 and all(set(r["parts"]) == set(bench.PARTS) for r in rows)
+    assert len(rows) == 7 and all(set(r["parts"]) == set(bench.PARTS) for r in rows)
     missed = [r for r in rows if not r["within"]]
     assert all(0 < r["implied_gemm_efficiency"] < speed.efficiency()["gemm"] for r in missed)

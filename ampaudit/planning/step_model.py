@@ -5,6 +5,7 @@ its shapes: the per-Linear roofline of speed.py plus everything else a step runs
     step = step_seconds(runs["torchao_h100"], "float8_tensorwise")
     step["total"], step["parts"]["attention"]            # seconds per step on one GPU, and one part of it
     compare(runs["torchao_h100"])                        # [Comparison(recipe, predicted, published, error), ...]
+    step_seconds(runs["torchtitan_h100"], "bfloat16", compiled=False)   # the same step without torch.compile
 
 What a step is made of, per GPU (``parts``), each at the achievable rates of rules/policy/gpus.toml
 [efficiency] (torchao's roofline: 78% of peak math, 92% of HBM bandwidth, a 2 us floor per kernel):
@@ -22,7 +23,9 @@ What a step is made of, per GPU (``parts``), each at the achievable rates of rul
 - ``attention``: causal FlashAttention-2 at its measured rates ([attention] of gpus.toml), always bf16.
 - ``pointwise``: norms, RoPE, SwiGLU, residual adds and their backward, as the fused kernels torch.compile makes
   of one block (bytes at its inputs and outputs only), run again in backward by the checkpointing; the
-  embedding, and the cross-entropy in fp32, uncompiled, as torchtitan runs its loss.
+  embedding, and the cross-entropy in fp32, uncompiled, as torchtitan runs its loss. ``compiled=False`` counts
+  the block's ops one kernel each instead, as eager PyTorch runs them: that is the gain of compile's fusion
+  (bf16 only; eager float8 casts, each its own amax and cast kernels, are not modelled).
 - ``optimizer``: fused AdamW and gradient-norm clipping over the fp32 shard, and FSDP2's copies around its
   collectives (the cast of each shard before all-gather, split_with_sizes_copy after it, the fp32 copy before
   reduce-scatter).
@@ -102,6 +105,7 @@ class Run:
     published: dict
     source: str
     config: str
+    published_eager: float = 0.0   # bf16 tokens/s per GPU of the same run without torch.compile (0: none)
 
     @property
     def tokens(self) -> int:
@@ -222,30 +226,55 @@ def _attention(run: Run) -> float:
     return run.model.layers * seconds
 
 
-def _pointwise(run: Run) -> float:
-    """The fused elementwise kernels of one step (bytes at each kernel's inputs and outputs)."""
-    if not run.compile:
-        raise UsageError("the step model covers compiled runs only", hint="set compile = true")
-    t, d, kv, f = run.tokens, run.model.dim, run.model.kv_dim, run.model.ffn_dim
+def _compiled_block(d: int, kv: int, f: int) -> list[float]:
+    """Bytes per token of each fused kernel torch.compile makes of one block: forward, its recompute under AC,
+    backward (torchtitan's Llama: RMSNorm, RoPE, repeat_kv materializing k and v at full width for SDPA, the
+    attention output made contiguous, SwiGLU, residual adds)."""
     b = BF16
     forward = [2 * b * d,                    # RMSNorm: read x, write its norm
-               2 * b * (d + kv),             # RoPE on q and k
+               2 * b * d + b * (2 * kv + 2 * d) + b * (kv + d),   # RoPE on q; on k and repeat_kv; repeat_kv of v
+               2 * b * d,                    # attention output transposed to contiguous
                4 * b * d,                    # residual add + RMSNorm: read x, attention out; write h, its norm
                3 * b * f,                    # SwiGLU: read w1 and w3 outputs, write silu(a) * b
                3 * b * d]                    # residual add
     backward = [4 * b * d,                   # grads of wq, wk, wv summed (3 reads, 1 write)
                 4 * b * d,                   # RMSNorm backward + residual grad: read x, grad, grad; write
-                2 * b * (d + kv),            # RoPE backward
+                4 * b * d + 2 * b * kv,      # RoPE and repeat_kv backward: read grad q, k, v; write q, k, v grads
+                2 * b * d,                   # attention output transpose backward
                 3 * b * d,                   # grads of w1, w3 summed
                 4 * b * d,                   # RMSNorm backward + residual grad
                 5 * b * f]                   # SwiGLU backward: read a, b, grad; write grad a, grad b
-    block = [x * t for x in forward * 2 + backward]   # forward, its recompute under AC, backward
-    v = run.model.vocab
+    return forward * 2 + backward
+
+
+def _eager_block(d: int, kv: int, f: int) -> list[float]:
+    """Bytes per token of each kernel one block runs eagerly, op by op as torchtitan writes them, forward and
+    its recompute, then the backward autograd derives (derivatives.yaml: a pointwise op reads its grad and saved
+    inputs and writes one grad per input; a grad reaching one tensor twice is summed)."""
+    b, w = BF16, FP32
+    norm = [(b + w) * d, 2 * w * d, w * d, 2 * w * d, (w + b) * d, 2 * b * d]   # float, pow, mean, mul, type_as, *w
+    norm_back = [2 * b * d, (b + w) * d, 2 * w * d, 3 * w * d, 3 * w * d, 3 * w * d, (w + b) * d]
+    rope = [(b + w) * x for x in (d, kv)] + [2 * w * x for x in (d, kv)] + [(w + b) * x for x in (d, kv)]
+    repeat = [b * (kv + d)] * 2                                                   # repeat_kv of k and v
+    forward = norm * 2 + rope + repeat + [2 * b * d, 3 * b * d, 3 * b * d,       # transpose, residual adds
+                                          2 * b * f, 3 * b * f]                  # silu, mul
+    backward = norm_back * 2 + rope + repeat + [2 * b * d, 3 * b * d, 3 * b * d,   # transpose, residual grads
+                                                3 * b * f, 3 * b * f, 3 * b * f,   # silu backward, mul backward
+                                                3 * b * d, 3 * b * d, 3 * b * d]   # summed grads of shared inputs
+    return forward * 2 + backward
+
+
+def _pointwise(run: Run, compiled: bool) -> float:
+    """The elementwise kernels of one step: the blocks' (fused when compiled), the embedding and the
+    cross-entropy in fp32, which torchtitan leaves uncompiled."""
+    t, d, kv, f, v = run.tokens, run.model.dim, run.model.kv_dim, run.model.ffn_dim, run.model.vocab
+    block = (_compiled_block if compiled else _eager_block)(d, kv, f)
+    b = BF16
     head = [2 * b * d * t, 2 * b * d * t,             # embedding forward, final norm
             (b + FP32) * v * t, 2 * FP32 * v * t,     # logits.float(), log_softmax
             FP32 * v * t, 3 * FP32 * v * t, (FP32 + b) * v * t,   # nll backward, log_softmax backward, to bf16
             2 * b * d * t + b * v * d]                # embedding backward into its bf16 gradient
-    return speed.kernel_seconds(block * run.model.layers + head, run.gpu, achievable=True)
+    return speed.kernel_seconds([x * t for x in block] * run.model.layers + head, run.gpu, achievable=True)
 
 
 def _params(run: Run) -> tuple[int, int]:
@@ -286,13 +315,17 @@ def _communication(run: Run, recipe: str, layer_compute: float) -> float:
     return run.model.layers * exposed + share * root * (BF16 + run.reduce_bytes) / link
 
 
-def step_seconds(run: Run, recipe: str) -> dict:
+def step_seconds(run: Run, recipe: str, *, compiled: bool | None = None) -> dict:
     """``{"total": s, "parts": {part: s}}`` for one step of ``run`` on one GPU with ``recipe`` ("bfloat16" or a
-    recipe name, full or short) for its Linears; UsageError where the run's GPU has no native kernels for it."""
+    recipe name, full or short) for its Linears; ``compiled`` overrides the run's torch.compile (eager: bf16
+    only). UsageError where the run's GPU has no native kernels for the recipe."""
+    compiled = run.compile if compiled is None else compiled
+    if not compiled and recipe != "bfloat16":
+        raise UsageError("the step model has no eager low-precision casts", hint="model it compiled")
     if recipe != "bfloat16":
         recipe = recipe_table.recipe(recipe).name
         speed._check(run.gpu, recipe, 1, 1, 1)
-    parts = {**_linear_part(run, recipe), "attention": _attention(run), "pointwise": _pointwise(run),
+    parts = {**_linear_part(run, recipe), "attention": _attention(run), "pointwise": _pointwise(run, compiled),
              "optimizer": _optimizer(run), "fsdp_copies": _fsdp_copies(run, recipe)}
     layer_compute = sum(parts[p] for p in ("gemm_low", "gemm_bf16", "casts", "attention", "pointwise"))
     layer_compute /= run.model.layers
@@ -310,4 +343,9 @@ def compare(run: Run) -> list[Comparison]:
         seconds = step_seconds(run, recipe)["total"]
         rows.append(Comparison(run.name, recipe, base / seconds, tps / run.published[run.baseline],
                                run.tokens / seconds, tps))
+    if run.published_eager:   # what torch.compile gains over eager, both bf16
+        eager = step_seconds(run, "bfloat16", compiled=False)["total"]
+        rows.append(Comparison(run.name, "compile_vs_eager", eager / base,
+                               run.published[run.baseline] / run.published_eager, run.tokens / base,
+                               run.published[run.baseline]))
     return rows
