@@ -3,6 +3,7 @@ torchtitan's tables), predicted from the model's shapes and the GPUs' datasheets
 
     PYTHONPATH=$PWD python bench/speed_published.py            # the comparison, the parts of each step
     PYTHONPATH=$PWD python bench/speed_published.py --json     # the same as JSON
+    PYTHONPATH=$PWD python bench/speed_published.py --gpu torchao_h100=h100   # what-if: another GPU for a run
 
 The runs, their settings and the published tokens/s are rules/policy/speed_published.toml; the model is
 ampaudit/planning/step_model.py. Nothing is fitted: the published numbers are read only to be compared with.
@@ -12,9 +13,11 @@ to reach (as a fraction of the format's peak; the model assumes torchao's 0.78) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
+from ampaudit.errors import AmpAuditError
 from ampaudit.planning import speed
 from ampaudit.planning.step_model import compare, load_runs, ratio_tolerance, step_seconds
 
@@ -32,11 +35,18 @@ def implied_gemm_efficiency(run, recipe: str, published: float) -> float | None:
     return speed.efficiency()["gemm"] * low / needed if needed > 0 else None
 
 
-def rows() -> list[dict]:
-    """One dict per (run, recipe) compared, with the step parts in seconds."""
+def rows(gpus: dict[str, str] | None = None) -> list[dict]:
+    """One dict per (run, recipe) compared, with the step parts in seconds; ``gpus``: run name -> GPU to model
+    it on instead of its own."""
     out = []
     tol = ratio_tolerance()
-    for run in load_runs().values():
+    runs = load_runs()
+    unknown = set(gpus or {}) - set(runs)
+    if unknown:
+        raise SystemExit(f"error: unknown run(s) {', '.join(sorted(unknown))}; choose from {', '.join(runs)}")
+    for run in runs.values():
+        if gpus and run.name in gpus:
+            run = dataclasses.replace(run, gpu=gpus[run.name])
         for c in compare(run):
             if c.recipe == COMPILE:   # compiled bf16 over eager bf16
                 base, step = step_seconds(run, "bfloat16", compiled=False), step_seconds(run, "bfloat16")
@@ -86,8 +96,15 @@ def _print(table: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--gpu", action="append", default=[], metavar="RUN=GPU",
+                        help="model RUN on GPU (a name in rules/policy/gpus.toml) instead of the run's own")
     args = parser.parse_args(argv)
-    table = rows()
+    try:
+        table = rows(dict(item.split("=", 1) for item in args.gpu))
+    except ValueError:
+        parser.error("--gpu takes RUN=GPU")
+    except AmpAuditError as exc:
+        parser.error(exc.one_line())
     if args.json:
         json.dump(table, sys.stdout, indent=1)
         print()
