@@ -68,12 +68,13 @@ def rows(gpus: dict[str, str] | None = None) -> list[dict]:
 def _print(table: list[dict]) -> None:
     tol = ratio_tolerance()
     print(f"Speed-up over bf16, predicted from shapes vs published (tolerance +-{tol:.0%} of the ratio)\n")
-    print(f"{'run':<16} {'gpu':<10} {'recipe':<18} {'published':>9} {'predicted':>9} {'error':>7}  "
-          f"{'ok':<3} {'needs GEMM at':>13}")
+    print(f"{'run':<16} {'gpu':<10} {'recipe':<18} {'published':>9} {'predicted':>9} {'error':>7} "
+          f"{'gain pub/pred':>14}  {'ok':<3} {'needs GEMM at':>13}")
     for r in table:
         need = r["implied_gemm_efficiency"]
+        gains = f"{r['published_speedup'] - 1:+.0%} / {r['predicted_speedup'] - 1:+.0%}"
         print(f"{r['run']:<16} {r['gpu']:<10} {r['recipe']:<18} {r['published_speedup']:>9.3f} "
-              f"{r['predicted_speedup']:>9.3f} {r['error']:>+7.1%}  {'yes' if r['within'] else 'NO':<3} "
+              f"{r['predicted_speedup']:>9.3f} {r['error']:>+7.1%} {gains:>14}  {'yes' if r['within'] else 'NO':<3} "
               f"{'' if need is None and r['within'] else (f'{need:.2f} of peak' if need else 'none'):>13}")
     print("\nAbsolute tokens/s per GPU (the model has no power limit, overlap loss or host time)\n")
     seen = set()

@@ -346,3 +346,9 @@ def test_bench_script_prints_every_comparison_and_its_json():
     assert len(rows) == 7 and all(set(r["parts"]) == set(bench.PARTS) for r in rows)
     missed = [r for r in rows if not r["within"]]
     assert all(0 < r["implied_gemm_efficiency"] < speed.efficiency()["gemm"] for r in missed)
+    other = {(r["run"], r["recipe"]): r for r in bench.rows({"torchao_h100": "h100"})}
+    assert other[("torchao_h100", "float8_rowwise")]["gpu"] == "h100"
+    assert other[("torchao_h100", "float8_rowwise")]["predicted_speedup"] != \
+        next(r for r in rows if r["run"] == "torchao_h100" and r["recipe"] == "float8_rowwise")["predicted_speedup"]
+    with pytest.raises(SystemExit, match="unknown run"):
+        bench.rows({"nope": "h100"})

@@ -10,25 +10,26 @@ its shapes: the per-Linear roofline of speed.py plus everything else a step runs
 What a step is made of, per GPU (``parts``), each at the achievable rates of rules/policy/gpus.toml
 [efficiency] (torchao's roofline: 78% of peak math, 92% of HBM bandwidth, a 2 us floor per kernel):
 
-- ``linear``: the block Linears' three GEMMs each (speed.gemm_seconds in the recipe's format; the Linears a run
-  keeps high precision, e.g. the output projection, in bf16), plus the forward GEMMs activation checkpointing
-  recomputes. torchtitan's per-op selective AC saves every other matmul of a block (torchtitan
+- ``gemm_low`` and ``gemm_bf16``: the block Linears' three GEMMs each (speed.gemm_seconds), in the recipe's
+  format or in bf16 (all of them in a bf16 step; a recipe's high-precision grad_weight; the Linears a run keeps
+  high precision, e.g. the output projection), plus the forward GEMMs activation checkpointing recomputes. torchtitan's per-op selective AC saves every other matmul of a block (torchtitan
   models/llama3/infra/parallelize.py, ``_save_list`` and "Saves output of all compute ops, except every second
   mm"), so the 2nd, 4th and 6th of wq, wk, wv, wo, w1, w3, w2 are run again in backward, in their own format.
 - ``casts``: torchao's scale-and-cast kernels (speed.cast_kernels), compiled. One cast of a tensor serves every
   Linear that reads it (wq, wk, wv share one input, w1 and w3 another): AOTAutograd's common-subexpression pass
   (torch._functorch.config.cse, on by default) merges the identical casts. With float8 all-gather, each rank
   casts its fp32 weight shard before the all-gather (amax of all shards precomputed once a step), and backward
-  only copies the gathered fp8 weight to the column-major layout ``torch._scaled_mm`` needs.
+  only copies the gathered fp8 weight to the column-major layout ``torch._scaled_mm`` needs. Rowwise adds the
+  pass that rescales its backward GEMMs' outputs (speed.rescale_kernels).
 - ``attention``: causal FlashAttention-2 at its measured rates ([attention] of gpus.toml), always bf16.
 - ``pointwise``: norms, RoPE, SwiGLU, residual adds and their backward, as the fused kernels torch.compile makes
   of one block (bytes at its inputs and outputs only), run again in backward by the checkpointing; the
   embedding, and the cross-entropy in fp32, uncompiled, as torchtitan runs its loss. ``compiled=False`` counts
   the block's ops one kernel each instead, as eager PyTorch runs them: that is the gain of compile's fusion
   (bf16 only; eager float8 casts, each its own amax and cast kernels, are not modelled).
-- ``optimizer``: fused AdamW and gradient-norm clipping over the fp32 shard, and FSDP2's copies around its
-  collectives (the cast of each shard before all-gather, split_with_sizes_copy after it, the fp32 copy before
-  reduce-scatter).
+- ``optimizer``: fused AdamW and gradient-norm clipping over the fp32 shard (torchtitan's defaults).
+- ``fsdp_copies``: FSDP2's copies around its collectives (the cast of each shard to bf16 before all-gather,
+  split_with_sizes_copy after it, the fp32 copy of the gradients before reduce-scatter).
 - ``communication``: the all-gathers (twice a step: forward, and backward after resharding) and fp32
   reduce-scatters over NVLink at half the datasheet's two-way bandwidth; only what a layer's compute does not
   hide counts (forward hides one all-gather, backward one all-gather and one reduce-scatter; forward taken as a
