@@ -38,7 +38,8 @@ from ampaudit.planning import recipes as recipe_table
 from ampaudit.policy import read_toml, rules_dir
 
 __all__ = ["GPUS", "RECIPES", "Casts", "load_gpus", "efficiency", "min_float8_capability", "supports_float8",
-           "supports_recipe", "gemm_seconds", "cast_kernels", "cast_bytes", "linear_times"]
+           "supports_recipe", "require_native", "attention_rates", "gemm_seconds", "cast_kernels", "cast_bytes",
+           "rescale_kernels", "kernel_seconds", "linear_times"]
 
 BF16 = 2   # bytes per element
 FP8 = 1
@@ -237,8 +238,10 @@ def kernel_seconds(byte_counts, gpu: str, *, achievable: bool = False) -> float:
     return sum(max(count / bandwidth, floor) for count in byte_counts)
 
 
-def _check(gpu: str, name: str, m: int, k: int, n: int) -> None:
-    spec = _spec(gpu)
+def require_native(gpu: str, recipe: str) -> str:
+    """The full name of ``recipe`` if ``gpu`` runs it natively; UsageError naming the GPU, the recipe and the
+    GPUs that do, otherwise (also for a GPU without fp8 Tensor Cores, or an unknown gpu or recipe)."""
+    spec, name = _spec(gpu), recipe_table.recipe(recipe).name
     if not spec["fp8"]:
         raise UsageError(f"{gpu} has no float8 Tensor Cores (compute capability {spec['compute_capability']})",
                          hint=f"estimate for one of {', '.join(g for g, s in load_gpus().items() if s['fp8'])}")
@@ -247,8 +250,7 @@ def _check(gpu: str, name: str, m: int, k: int, n: int) -> None:
         able = [g for g in load_gpus() if supports_recipe(g, name)]
         raise UsageError(f"{gpu} has no native {name} kernels (compute capability {spec['compute_capability']}, "
                          f"{name} needs {need})", hint=f"estimate {name} for one of {', '.join(able) or 'none'}")
-    if min(m, k, n) < 1:
-        raise UsageError(f"a Linear needs M, K, N >= 1, got M={m}, K={k}, N={n}", hint="pass the token count too")
+    return name
 
 
 def linear_times(m: int, k: int, n: int, gpu: str, *, recipe: str = "tensorwise", achievable: bool = False) -> dict:
@@ -258,8 +260,9 @@ def linear_times(m: int, k: int, n: int, gpu: str, *, recipe: str = "tensorwise"
     take most of their time. UsageError for an unknown gpu or recipe, a GPU without fp8 Tensor Cores or native
     kernels for the recipe (see ``supports_recipe``), or a dimension below 1."""
     casts = cast_kernels(recipe)
-    name = recipe_table.recipe(recipe).name
-    _check(gpu, name, m, k, n)
+    name = require_native(gpu, recipe)
+    if min(m, k, n) < 1:
+        raise UsageError(f"a Linear needs M, K, N >= 1, got M={m}, K={k}, N={n}", hint="pass the token count too")
     shapes = ((m, k, n), (m, n, k), (n, m, k))   # output, grad_input, grad_weight
     bf16 = sum(gemm_seconds(*shape, gpu, "bfloat16", achievable=achievable)[0] for shape in shapes)
     gemms = [gemm_seconds(*shape, gpu, casts.gemm_dtype, achievable=achievable, scale_block=casts.scale_block)

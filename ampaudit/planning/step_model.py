@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ampaudit.errors import RuleError, UsageError
-from ampaudit.planning import recipes as recipe_table
 from ampaudit.planning import speed
 from ampaudit.policy import read_toml, rules_dir
 
@@ -324,8 +323,7 @@ def step_seconds(run: Run, recipe: str, *, compiled: bool | None = None) -> dict
     if not compiled and recipe != "bfloat16":
         raise UsageError("the step model has no eager low-precision casts", hint="model it compiled")
     if recipe != "bfloat16":
-        recipe = recipe_table.recipe(recipe).name
-        speed._check(run.gpu, recipe, 1, 1, 1)
+        recipe = speed.require_native(run.gpu, recipe)
     parts = {**_linear_part(run, recipe), "attention": _attention(run), "pointwise": _pointwise(run, compiled),
              "optimizer": _optimizer(run), "fsdp_copies": _fsdp_copies(run, recipe)}
     layer_compute = sum(parts[p] for p in ("gemm_low", "gemm_bf16", "casts", "attention", "pointwise"))
