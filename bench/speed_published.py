@@ -4,6 +4,7 @@ torchtitan's tables), predicted from the model's shapes and the GPUs' datasheets
     PYTHONPATH=$PWD python bench/speed_published.py            # the comparison, the parts of each step
     PYTHONPATH=$PWD python bench/speed_published.py --json     # the same as JSON
     PYTHONPATH=$PWD python bench/speed_published.py --gpu torchao_h100=h100   # what-if: another GPU for a run
+    PYTHONPATH=$PWD python bench/speed_published.py --sensitivity  # every error under each unsettled assumption
 
 The runs, their settings and the published tokens/s are rules/policy/speed_published.toml; the model is
 ampaudit/planning/step_model.py. Nothing is fitted: the published numbers are read only to be compared with.
@@ -65,6 +66,40 @@ def rows(gpus: dict[str, str] | None = None) -> list[dict]:
     return out
 
 
+# What-ifs on the assumptions no source settles: (label, run name or "*" for all, fields to replace).
+WHAT_IFS = (
+    ("as modelled", "*", {}),
+    ("datasheet H100 (3.35 TB/s), not 2.4", "*", {"gpu": "h100"}),
+    ("no CSE of shared casts", "*", {"cse": False}),
+    ("AC recomputes every fp8 forward GEMM", "*", {"recompute_all_low": True}),
+    ("torchtitan float8 without fp8 all-gather", "torchtitan_h100", {"float8_all_gather": ()}),
+)
+
+
+def sensitivity() -> list[dict]:
+    """Each comparison's error under each what-if of WHAT_IFS (the datasheet-H100 one only for h100 runs)."""
+    out = []
+    for label, which, fields in WHAT_IFS:
+        for run in load_runs().values():
+            if which not in ("*", run.name) or (fields.get("gpu") and not run.gpu.startswith("h100")):
+                continue
+            for c in compare(dataclasses.replace(run, **fields)):
+                out.append({"what_if": label, "run": run.name, "recipe": c.recipe, "error": c.error})
+    return out
+
+
+def _print_sensitivity(table: list[dict]) -> None:
+    print("Error (predicted / published - 1) under each what-if\n")
+    labels = list(dict.fromkeys(r["what_if"] for r in table))
+    for i, label in enumerate(labels):
+        print(f"  {chr(65 + i)}: {label}")
+    cell = {(r["what_if"], r["run"], r["recipe"]): r["error"] for r in table}
+    print(f"\n{'run':<16} {'recipe':<18} " + " ".join(f"{chr(65 + i):>7}" for i in range(len(labels))))
+    for run, recipe in dict.fromkeys((r["run"], r["recipe"]) for r in table):
+        vals = [cell.get((label, run, recipe)) for label in labels]
+        print(f"{run:<16} {recipe:<18} " + " ".join(f"{'-' if v is None else f'{v:+.1%}':>7}" for v in vals))
+
+
 def _print(table: list[dict]) -> None:
     tol = ratio_tolerance()
     print(f"Speed-up over bf16, predicted from shapes vs published (tolerance +-{tol:.0%} of the ratio)\n")
@@ -99,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--gpu", action="append", default=[], metavar="RUN=GPU",
                         help="model RUN on GPU (a name in rules/policy/gpus.toml) instead of the run's own")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="each error under the what-ifs of the assumptions no source settles")
     args = parser.parse_args(argv)
+    if args.sensitivity:
+        table = sensitivity()
+        json.dump(table, sys.stdout, indent=1) if args.json else _print_sensitivity(table)
+        return 0
     try:
         table = rows(dict(item.split("=", 1) for item in args.gpu))
     except ValueError:

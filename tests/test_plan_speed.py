@@ -321,6 +321,19 @@ def test_a_step_in_a_recipe_the_gpu_lacks_is_a_usage_error():
                                                                                   "mxfp8")["total"]
 
 
+def test_step_model_assumptions_switch_the_terms_they_name():
+    import dataclasses
+    from ampaudit.planning.step_model import step_seconds
+    run = _runs()["torchao_h100"]
+    base = step_seconds(run, "rowwise")["parts"]
+    no_cse = step_seconds(dataclasses.replace(run, cse=False), "rowwise")["parts"]
+    assert no_cse["casts"] > base["casts"] and no_cse["gemm_low"] == base["gemm_low"]
+    every = step_seconds(dataclasses.replace(run, recompute_all_low=True), "rowwise")["parts"]
+    assert every["gemm_low"] > base["gemm_low"]
+    assert step_seconds(dataclasses.replace(run, recompute_all_low=True), "bfloat16")["total"] == \
+        step_seconds(run, "bfloat16")["total"]   # bf16 recomputes every second matmul either way
+
+
 def test_bench_script_prints_every_comparison_and_its_json():
     import importlib.util
     import io
@@ -352,3 +365,9 @@ def test_bench_script_prints_every_comparison_and_its_json():
         next(r for r in rows if r["run"] == "torchao_h100" and r["recipe"] == "float8_rowwise")["predicted_speedup"]
     with pytest.raises(SystemExit, match="unknown run"):
         bench.rows({"nope": "h100"})
+    what_ifs = bench.sensitivity()
+    base = {(r["run"], r["recipe"]): r["error"] for r in what_ifs if r["what_if"] == "as modelled"}
+    assert base == {(r["run"], r["recipe"]): pytest.approx(r["error"]) for r in rows}
+    slower = {(r["run"], r["recipe"]): r["error"] for r in what_ifs if "recomputes every" in r["what_if"]}
+    for key, error in slower.items():   # recomputing more fp8 GEMMs can only lower a float8 prediction
+        assert error < base[key] if key[1] != "compile_vs_eager" else error == pytest.approx(base[key]), key

@@ -106,6 +106,9 @@ class Run:
     source: str
     config: str
     published_eager: float = 0.0   # bf16 tokens/s per GPU of the same run without torch.compile (0: none)
+    # Assumptions no source settles, as switches for what-ifs (bench/speed_published.py --sensitivity):
+    cse: bool = True               # identical casts of a shared input merged by AOTAutograd's CSE
+    recompute_all_low: bool = False   # AC recomputes every low-precision forward GEMM, not every second one
 
     @property
     def tokens(self) -> int:
@@ -158,18 +161,22 @@ def load_runs() -> dict[str, Run]:
     return runs
 
 
-def _recomputed(run: Run) -> set[str]:
+def _recomputed(run: Run, low: bool) -> set[str]:
+    """The block Linears whose forward GEMM activation checkpointing runs again (``low``: in a recipe's format).
+    The policy counts aten.mm calls; whether a float8 GEMM reaches it as one is assumed (``recompute_all_low``
+    off: it does, and the same matmuls are recomputed as in bf16)."""
     if run.ac != "selective_op":
         raise UsageError(f"no step model for activation checkpointing {run.ac!r}", hint="use selective_op")
-    return {lin.name for lin in run.model.block_linears()[1::2]}
+    linears = run.model.block_linears()
+    return {lin.name for lin in (linears if low and run.recompute_all_low else linears[1::2])}
 
 
 def _linear_part(run: Run, recipe: str) -> dict:
     """Seconds of every Linear's GEMMs in one step, split by format (``low``: the recipe's, ``bf16``), and of
     the recipe's cast kernels."""
     m, gpu, shapes = run.tokens, run.gpu, run.model
-    recomputed = _recomputed(run)
     casts = None if recipe == "bfloat16" else speed.cast_kernels(recipe)
+    recomputed = _recomputed(run, casts is not None)
     low, bf16, kernels, seen_groups = 0.0, 0.0, [], set()
     for lin in shapes.block_linears():
         gemms = [(m, lin.k, lin.n), (m, lin.n, lin.k), (lin.n, m, lin.k)]   # output, grad_input, grad_weight
@@ -199,9 +206,11 @@ def _cast_kernels(run: Run, recipe: str, casts: speed.Casts, lin: Linear, recomp
     recast = BF16 + speed.OPERAND_BYTES[casts.gemm_dtype]   # one cast of a bf16 tensor, as AC recomputes it
     kernels = []
     if lin.group not in seen_groups:   # one cast of a shared input (CSE)
-        seen_groups.add(lin.group)
+        if run.cse:
+            seen_groups.add(lin.group)
         kernels += [b * m * lin.k for b in casts.input]
-        if any(o.group == lin.group and o.name in recomputed for o in linears):
+        readers = [o for o in linears if o.group == lin.group] if run.cse else [lin]
+        if any(o.name in recomputed for o in readers):
             kernels.append(recast * m * lin.k)
     kernels += [b * m * lin.n for b in casts.grad_output] + speed.rescale_kernels(m, lin.k, lin.n, casts)
     weight = lin.k * lin.n
