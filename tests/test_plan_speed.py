@@ -371,3 +371,28 @@ def test_bench_script_prints_every_comparison_and_its_json():
     slower = {(r["run"], r["recipe"]): r["error"] for r in what_ifs if "recomputes every" in r["what_if"]}
     for key, error in slower.items():   # recomputing more fp8 GEMMs can only lower a float8 prediction
         assert error < base[key] if key[1] != "compile_vs_eager" else error == pytest.approx(base[key]), key
+
+
+def test_selective_checkpointing_sees_torchaos_float8_matmul_as_aten_mm():
+    # Grounds the step model's reading of torchtitan's per-op SAC policy (it counts aten.mm calls and saves every
+    # other one): a torchao Float8Linear's matmul reaches the policy as aten.mm on its float8 subclass, so the
+    # same matmuls are recomputed in float8 as in bf16 (eager SAC, emulated float8 on CPU).
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    float8 = pytest.importorskip("torchao.float8")
+    import torch
+
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        if "mm" in str(func) and not ctx.is_recompute:
+            seen.append((str(func), [type(a).__name__ for a in args if isinstance(a, torch.Tensor)]))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False))
+    float8.convert_to_float8_training(model.to(torch.bfloat16), config=float8.Float8LinearConfig(emulate=True))
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    checkpoint(model, x, use_reentrant=False, context_fn=context).sum().backward()
+    assert seen == [("aten.mm.default", ["Float8TrainingTensor", "Float8TrainingTensor"])] * 2

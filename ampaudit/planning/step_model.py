@@ -108,7 +108,7 @@ class Run:
     published_eager: float = 0.0   # bf16 tokens/s per GPU of the same run without torch.compile (0: none)
     # Assumptions no source settles, as switches for what-ifs (bench/speed_published.py --sensitivity):
     cse: bool = True               # identical casts of a shared input merged by AOTAutograd's CSE
-    recompute_all_low: bool = False   # AC recomputes every low-precision forward GEMM, not every second one
+    recompute_all_low: bool = False   # AC recomputes every low-precision forward GEMM (compiled: unchecked)
 
     @property
     def tokens(self) -> int:
@@ -163,8 +163,9 @@ def load_runs() -> dict[str, Run]:
 
 def _recomputed(run: Run, low: bool) -> set[str]:
     """The block Linears whose forward GEMM activation checkpointing runs again (``low``: in a recipe's format).
-    The policy counts aten.mm calls; whether a float8 GEMM reaches it as one is assumed (``recompute_all_low``
-    off: it does, and the same matmuls are recomputed as in bf16)."""
+    The policy counts aten.mm calls, and torchao's float8 matmul reaches it as aten.mm on its float8 subclass
+    (tests/test_plan_speed.py checks it, eager), so the same matmuls are recomputed as in bf16;
+    ``recompute_all_low`` is the what-if that every low-precision forward GEMM is."""
     if run.ac != "selective_op":
         raise UsageError(f"no step model for activation checkpointing {run.ac!r}", hint="use selective_op")
     linears = run.model.block_linears()
