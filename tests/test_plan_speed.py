@@ -396,3 +396,44 @@ def test_selective_checkpointing_sees_torchaos_float8_matmul_as_aten_mm():
     context = functools.partial(create_selective_checkpoint_contexts, policy)
     checkpoint(model, x, use_reentrant=False, context_fn=context).sum().backward()
     assert seen == [("aten.mm.default", ["Float8TrainingTensor", "Float8TrainingTensor"])] * 2
+
+
+@pytest.mark.slow
+def test_compile_casts_a_shared_input_once_for_every_float8_linear_that_reads_it():
+    # Grounds the step model's CSE assumption (wq, wk, wv cast their shared input once): AOTAutograd's joint
+    # graph under torch.compile, partitioned as Inductor partitions it, feeds all three float8 matmuls one cast.
+    import dataclasses
+
+    import torch
+    float8 = pytest.importorskip("torchao.float8")
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv = (torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32))
+
+        def forward(self, x):
+            return self.wq(x).sum() + self.wk(x).sum() + self.wv(x).sum()
+
+    inputs_of_mm = []
+
+    def forward_compiler(graph, _):
+        inputs_of_mm.extend(node.args[0].name for node in graph.graph.nodes if "scaled_mm" in str(node.target))
+        return make_boxed_func(graph.forward)
+
+    def backend(gm, example):
+        return aot_module_simplified(gm, example, fw_compiler=forward_compiler,
+                                     bw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    model = QKV().to(torch.bfloat16)
+    float8.convert_to_float8_training(model)
+    for module in model.modules():
+        if hasattr(module, "config"):
+            module.config = dataclasses.replace(module.config, emulate=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)).backward()
+    assert len(inputs_of_mm) == 3 and len(set(inputs_of_mm)) == 1
