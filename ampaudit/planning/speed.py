@@ -106,7 +106,9 @@ _CASTS: dict[str, Casts] = {
     "nvfp4": Casts(input=(BF16, BF16 + FP4, BF16 + FP4), weight=(BF16, BF16 + FP4, BF16 + FP4),
                    grad_output=(BF16, BF16 + FP4, BF16 + FP4), gemm_dtype="float4", scale_block=16),
     # DeepSeek-style blockwise FP8: six quantization kernels, each reads bf16 and writes fp8 for one GEMM layout
-    # (torchao's get_blockwise_float8_mem_sympy: input as lhs and rhs, weight twice, grad_output twice).
+    # (torchao's get_blockwise_float8_mem_sympy: input as lhs and rhs, weight twice, grad_output twice). Its GEMMs
+    # are counted at the fp8 rate, as torchao's roofline counts them; the per-block rescaling inside a blockwise
+    # GEMM makes real kernels slower than that, by an amount no datasheet gives.
     "blockwise": Casts(input=(BF16 + FP8, BF16 + FP8), weight=(BF16 + FP8, BF16 + FP8),
                        grad_output=(BF16 + FP8, BF16 + FP8)),
 }
