@@ -164,7 +164,7 @@ def load_runs() -> dict[str, Run]:
 def _recomputed(run: Run, low: bool) -> set[str]:
     """The block Linears whose forward GEMM activation checkpointing runs again (``low``: in a recipe's format).
     The policy counts aten.mm calls, and torchao's float8 matmul reaches it as aten.mm on its float8 subclass
-    (tests/test_plan_speed.py checks it, eager), so the same matmuls are recomputed as in bf16;
+    (tests/test_plan_step_model.py checks it, eager), so the same matmuls are recomputed as in bf16;
     ``recompute_all_low`` is the what-if that every low-precision forward GEMM is."""
     if run.ac != "selective_op":
         raise UsageError(f"no step model for activation checkpointing {run.ac!r}", hint="use selective_op")
