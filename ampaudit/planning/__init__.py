@@ -2,7 +2,8 @@
 
     measure.py   each Linear alone on the inputs and gradients it really gets, in fp8 (torchao), bf16, fp16
     fp8.py       torchao, imported quietly; its recipes; what a cast to fp8 flushes, clips, keeps
-    speed.py     a roofline of each Linear's GEMMs in bf16 and fp8 on a named GPU (rules/policy/gpus.toml)
+    speed.py     a roofline of each Linear's GEMMs in bf16 and in a low-precision recipe on a named GPU
+    step_model.py  a whole transformer training step under FSDP from its shapes, checked against published runs
     choose.py    the decision and its reasons
     api.py       ``ampaudit.plan(model, batches, ...)`` -> Plan, and its JSON contract
     apply.py     a plan applied to a model for training (``ampaudit train --plan``)
