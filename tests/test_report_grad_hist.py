@@ -18,6 +18,7 @@ from ampaudit.runtime.trace import read_trace
 from ampaudit.runtime.watch import watch
 
 from conftest import ASSETS, load_planted
+from trace_events import ev
 
 
 def _run(trace, *, steps: int = 20, scaled: bool = True) -> None:
@@ -101,11 +102,9 @@ def test_trainer_traces_carry_the_scale_of_each_step(tmp_path):
 
 
 def test_scale_comes_from_step_events_when_the_histogram_has_none():
-    events = [{"event": "meta", "step": None, "version": 2, "dtype": "float16"},
-              {"event": "step", "step": 1, "scale": 2.0 ** 10},
-              {"event": "grad_hist", "step": 2, "module": "fc", "lo": -20, "counts": [3, 1], "zeros": 0,
-               "nonfinite": 0, "scale": None},
-              {"event": "step", "step": 2, "scale": 2.0 ** 10}]
+    events = [ev("meta", version=2, dtype="float16"), ev("step", 1, scale=2.0 ** 10),
+              ev("grad_hist", 2, module="fc", lo=-20, counts=[3, 1], zeros=0, nonfinite=0, scale=None),
+              ev("step", 2, scale=2.0 ** 10)]
     g = summarize(events)["grad_hist"]
     assert g["scale_source"] == "steps" and g["scale_log2"] == 10
     assert (g["unscaled"]["min_log2"], g["unscaled"]["max_log2"]) == (-30, -29)

@@ -20,7 +20,8 @@ import statistics
 from typing import Any, Iterable
 
 from ampaudit.report.trace_data import StepRow, TraceData, as_step, finite, log2, num, text
-from ampaudit.runtime.trace import TRACE_VERSION, jsonable, read_trace
+from ampaudit.runtime.trace import jsonable, read_trace
+from ampaudit.runtime.trace_schema import ENVELOPE, TRACE_VERSION
 
 SUMMARY_VERSION = 1
 
@@ -51,7 +52,7 @@ def collect(events: Iterable[dict]) -> TraceData:
         step = as_step(ev.get("step"))
         if kind == "meta":
             if not data.meta:
-                data.meta = {k: v for k, v in ev.items() if k not in ("event", "step")}
+                data.meta = {k: v for k, v in ev.items() if k not in ENVELOPE}
         elif kind == "step":
             step = step if step is not None else last_step + 1
             last_step = step
