@@ -49,6 +49,7 @@ def scaled_trace(tmp_path_factory):
     return trace
 
 
+@pytest.mark.slow
 def test_tiny_grads_flush_without_scaling_and_fit_with_it(scaled_trace):
     g = summarize_trace(scaled_trace)["grad_hist"]
     assert (g["dtype"], g["min_subnormal_log2"], g["min_normal_log2"], g["max_log2"]) == ("float16", -24, -14, 15)
@@ -66,6 +67,7 @@ def test_tiny_grads_flush_without_scaling_and_fit_with_it(scaled_trace):
     assert rec["code"] == f"torch.amp.GradScaler('cpu', init_scale={2.0 ** g['init_scale_log2']!r})"
 
 
+@pytest.mark.slow
 def test_console_has_the_grad_range_line(scaled_trace):
     out = subprocess.run([sys.executable, "-m", "ampaudit", "report", str(scaled_trace)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
@@ -149,6 +151,7 @@ def drawn(scaled_trace):
     return dom, _png_rgb(shot).astype(int)
 
 
+@pytest.mark.slow
 def test_browser_draws_both_histograms_and_the_dtype_bands(drawn):
     dom, _ = drawn
     start = dom.index('id="plot-gradhist"')
@@ -162,6 +165,7 @@ def test_browser_draws_both_histograms_and_the_dtype_bands(drawn):
         assert text in part, text
 
 
+@pytest.mark.slow
 def test_screenshot_puts_unscaled_bars_below_the_subnormal_range_and_scaled_ones_inside(drawn):
     np = pytest.importorskip("numpy")
     _, px = drawn

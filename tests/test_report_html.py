@@ -167,6 +167,7 @@ def rendered(run_page):
     return render(run_page, shot), shot
 
 
+@pytest.mark.slow
 def test_browser_draws_every_plot(rendered):
     dom, _ = rendered
     starts = [dom.index(f'id="{div}"') for div in PLOTS] + [len(dom)]
@@ -183,6 +184,7 @@ def test_browser_draws_every_plot(rendered):
     assert "first non-finite: blocks.1.attn" in parts["plot-scale"]
 
 
+@pytest.mark.slow
 def test_screenshot_shows_the_plots(rendered):
     _, shot = rendered
     px = _png_rgb(shot).astype(int)

@@ -163,6 +163,7 @@ def test_fallback_needs_a_trace():
     assert r.exit_code == 2 and "--fp8-fallback needs --trace" in r.output
 
 
+@pytest.mark.slow
 def test_the_trainer_and_the_hooks_import_no_torchao():
     code = ("import sys, ampaudit.train, ampaudit.runtime.session, ampaudit.runtime.fp8_stats; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torchao', 'rich')))")
