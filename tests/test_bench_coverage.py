@@ -130,6 +130,7 @@ def test_a_stage_past_the_time_limit_is_recorded_and_the_run_goes_on(tmp_path):
     assert row["ampaudit"] is None   # no model whose forward runs, so no incomplete audit and exit 0
 
 
+@pytest.mark.slow
 def test_a_family_whose_library_is_missing_is_a_one_line_error():
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed here")

@@ -63,6 +63,7 @@ def test_bad_head_split_is_rejected():
         llama.build_llama(layers=1, hidden=60, heads=8, kv_heads=2, ffn=32, vocab=10)
 
 
+@pytest.mark.slow
 def test_check_scale_runs_tiny_config(tmp_path):
     out = tmp_path / "scale.json"
     argv = [sys.executable, str(BENCH / "check_scale.py"), "--layers", "2", "--hidden", "64", "--heads", "4",

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 PROBE = """
@@ -21,6 +23,7 @@ sys.stderr.write("".join(f"BENCH-FAIL {line}\\n" for line in failed))   # stdout
 """
 
 
+@pytest.mark.slow
 def test_every_bench_script_starts():
     scripts = sorted(str(p) for p in (ROOT / "bench").glob("*.py")
                      if "__main__" in p.read_text(encoding="utf-8"))

@@ -206,6 +206,7 @@ def test_rules_list_and_explain():
     assert r.exit_code == 2 and "unknown rule" in r.output
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not PLANTED.is_dir(), reason="planted models absent")
 def test_python_dash_m(tmp_path):
     import subprocess
@@ -238,6 +239,7 @@ def test_numpy_is_declared():
     assert any(re.match(r"numpy\b", d) for d in deps), deps
 
 
+@pytest.mark.slow
 def test_cli_prints_no_warning(clean, tmp_path):
     import subprocess
     import sys

@@ -20,6 +20,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})}, timeout=120)
 
 
+@pytest.mark.slow
 def test_version_prints_the_installed_version():
     from importlib.metadata import version
 
@@ -32,6 +33,7 @@ def test_version_prints_the_installed_version():
     (("check", "model.py", "--bogus"), "No such option: --bogus; see 'ampaudit check --help'"),
     (("nosuchcommand",), "see 'ampaudit --help'"),
 ])
+@pytest.mark.slow
 def test_usage_errors_are_one_line_and_exit_2(args, says):
     r = _run(*args)
     assert r.returncode == 2
@@ -40,6 +42,7 @@ def test_usage_errors_are_one_line_and_exit_2(args, says):
     assert "╭" not in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_findings_still_exit_1_through_the_entry_point():
     r = _run("check", "samples/misaligned_mlp.py", "--format", "json")
     assert r.returncode == 1 and '"findings"' in r.stdout
@@ -108,6 +111,7 @@ class _TenWay(__import__("torch").nn.Module):
         return self.head(self.body(x).relu())
 
 
+@pytest.mark.slow
 def test_speed_findings_do_not_fail_the_safety_gate():
     import torch
 

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from ampaudit.runtime.decision_record import measure_decisions
 from ampaudit.runtime.decisions import SAMPLE, bind, decision_kinds, decision_of, flagged, flips, kept
+from trace_events import ev
 
 
 def _flips(op, out, low, **bound):
@@ -200,12 +201,12 @@ def test_calibration_sums_decisions_over_batches():
 def test_report_reads_malformed_and_older_decision_events_without_raising():
     from ampaudit.report.trace_summary import summarize
 
-    meta = {"event": "meta", "step": None, "version": 2, "dtype": "bfloat16"}
-    good = {"event": "decision", "step": 4, "module": "moe.router", "op": "topk", "source": "m.py:9", "kind": "topk",
-            "decisions": 512, "flipped": 18, "share_flipped": 0.035, "used": True, "calls": 1}
+    meta = ev("meta", version=2, dtype="bfloat16")
+    good = ev("decision", 4, module="moe.router", op="topk", source="m.py:9", kind="topk", decisions=512,
+              flipped=18, share_flipped=0.035, used=True, calls=1)
     bad = [{"event": "decision", "step": 5, "module": 3, "decisions": "inf", "flipped": None, "share_flipped": "x"},
            {"event": "decision"}]
-    s = summarize([meta, {"event": "step", "step": 1, "loss": 1.0}, good, *bad])
+    s = summarize([meta, ev("step", 1, loss=1.0), good, *bad])
     assert [r["module"] for r in s["decisions"]["flagged"]] == ["moe.router"]
     assert s["decisions"]["sites"] == 2 and not s["unknown_events"]
     (rec,) = [r for r in s["recommendations"] if r["kind"] == "decisions"]

@@ -379,6 +379,7 @@ def test_this_machine():
     assert {c["id"] for c in report["checks"]} >= {"torch", "cpu", "cpu.autocast", "flags.tf32_matmul", "extras.fp8"}
 
 
+@pytest.mark.slow
 def test_doctor_is_callable_whatever_was_imported_first():
     # The package is ampaudit.machine, not ampaudit.doctor: importing a module named doctor would bind the module
     # over the function on the ampaudit package.
@@ -388,6 +389,7 @@ def test_doctor_is_callable_whatever_was_imported_first():
     assert out.strip() == "1"
 
 
+@pytest.mark.slow
 def test_importing_the_doctor_loads_neither_torch_nor_rich():
     code = "import sys, ampaudit.machine; print(sorted(m for m in ('torch', 'rich') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

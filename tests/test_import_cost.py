@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _loaded_after(statement: str, prefix: str) -> list[str]:
     code = f"import sys; {statement}; print(sorted(m for m in sys.modules if m == {prefix!r} or m.startswith({prefix + '.'!r})))"
@@ -11,10 +13,12 @@ def _loaded_after(statement: str, prefix: str) -> list[str]:
     return eval(out)
 
 
+@pytest.mark.slow
 def test_import_ampaudit_train_does_not_load_rich():
     assert _loaded_after("import ampaudit.train", "rich") == []
 
 
+@pytest.mark.slow
 def test_a_disabled_progress_bar_does_not_load_rich():
     assert _loaded_after("from ampaudit.train.progress import TrainProgress; TrainProgress(10, enabled=False)",
                          "rich") == []

@@ -52,6 +52,7 @@ def _git(cwd: Path, *args: str) -> None:
                    capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_pre_commit_try_repo_runs_the_hook_on_model_files_only(tmp_path):
     pytest.importorskip("pre_commit", reason="pre-commit is not installed")

@@ -42,6 +42,7 @@ class Misaligned(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+@pytest.mark.slow
 def test_assert_amp_safe_fails_with_a_table_naming_rule_module_and_line():
     assert_amp_safe(Misaligned(), torch.randn(8, 64))      # speed findings alone do not fail the safety gate
     with pytest.raises(AmpSafetyError) as info:
@@ -130,6 +131,7 @@ def test_check_never_fails(amp_audit):
     assert "ampaudit/testing.py" not in out
 
 
+@pytest.mark.slow
 def test_plugin_is_registered_and_does_not_import_torch(pytester: pytest.Pytester):
     pytester.makepyfile(test_light='''
 import sys

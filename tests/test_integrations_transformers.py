@@ -84,6 +84,7 @@ def _train(tmp_path, callback, *, steps: int = 4, accum: int = 2, scaler: bool =
     return model, trainer
 
 
+@pytest.mark.slow
 def test_trainer_run_writes_steps_stats_divergence_and_skip_attribution(tmp_path):
     trace = tmp_path / "run.jsonl"
     callback = AmpAuditCallback(trace, every=2, divergence_every=3)
@@ -114,6 +115,7 @@ def test_trainer_run_writes_steps_stats_divergence_and_skip_attribution(tmp_path
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+@pytest.mark.slow
 def test_outputs_stay_fp32_and_no_scaler_means_no_skips(tmp_path):
     callback = AmpAuditCallback(every=1)
     model, trainer = _train(tmp_path, callback, steps=2, accum=1, scaler=False)
@@ -126,6 +128,7 @@ def test_outputs_stay_fp32_and_no_scaler_means_no_skips(tmp_path):
     assert out.logits.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_a_train_that_raised_leaves_no_hooks_once_the_callback_is_used_again(tmp_path):
     # Hugging Face calls no callback when train() raises: the next on_train_begin takes the old hooks off.
     callback, boom = AmpAuditCallback(every=1), Boom()

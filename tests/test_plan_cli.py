@@ -122,6 +122,7 @@ def test_without_torchao_the_error_names_the_extra(monkeypatch):
     assert "torchao" in info.value.one_line() and "ampaudit[fp8]" in info.value.one_line()
 
 
+@pytest.mark.slow
 def test_cli_plan_json_then_train_with_it(tmp_path):
     out = tmp_path / "plan.json"
     r = _cli("plan", SAMPLE, "--speed-model", "off", "--format", "json", "-o", out, cwd=tmp_path)
@@ -135,6 +136,7 @@ def test_cli_plan_json_then_train_with_it(tmp_path):
     assert "trained 2 steps" in r.stdout
 
 
+@pytest.mark.slow
 def test_cli_plan_table_and_errors(tmp_path):
     r = _cli("plan", SAMPLE, cwd=tmp_path)
     assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 from ampaudit.runtime.trace import TraceWriter
+from trace_events import ev
 
 ASSETS = Path(__file__).parent / "assets"
 FP16_MAX = 65504.0
@@ -44,8 +45,9 @@ def write_run(path: Path, steps: int = 300, truncate_at: int | None = None) -> N
     rng = random.Random(0)
     scale, good = 65536.0, 0
     with TraceWriter(path) as tw:
-        tw.write("meta", None, version=1, source="train", dtype="float16", device="cuda",
-                 model="TinyTransformer", argv=["ampaudit", "train", "model.py", "--trace", "run.jsonl"])
+        put = tw.write_record
+        put(ev("meta", None, version=1, source="train", dtype="float16", device="cuda", model="TinyTransformer",
+               argv=["ampaudit", "train", "model.py", "--trace", "run.jsonl"]))
         for step in range(1, steps + 1):
             overflow_fwd = step == OVERFLOW_STEP
             # Unscaled gradients peak near 4: anything above 2^13 * 2 overflows in the scaled backward pass.
@@ -55,16 +57,15 @@ def write_run(path: Path, steps: int = 300, truncate_at: int | None = None) -> N
             grad_norm = abs(rng.gauss(0.6, 0.15)) + (2.5 if rng.random() < 0.08 else 0.0)
             lr = 3e-4 * min(1.0, step / 20) * (0.5 + 0.5 * math.cos(math.pi * step / steps))
             if overflow_fwd:
-                tw.write("nonfinite", step, phase="forward", module=CULPRIT, op="aten.exp.default",
-                         source="model.py:42", kind="inf")
-            tw.write("step", step, loss=float("inf") if overflow_fwd else round(loss, 5), scale=scale,
-                     skipped=skipped, grad_norm=float("inf") if skipped else round(grad_norm, 5),
-                     clipped=not skipped and grad_norm > 1.0, lr=round(lr, 8),
-                     time=round(0.05 + rng.uniform(0, 0.01), 5))
+                put(ev("nonfinite", step, phase="forward", module=CULPRIT, op="aten.exp.default",
+                       source="model.py:42", kind="inf"))
+            put(ev("step", step, loss=float("inf") if overflow_fwd else round(loss, 5), scale=scale,
+                   skipped=skipped, grad_norm=float("inf") if skipped else round(grad_norm, 5),
+                   clipped=not skipped and grad_norm > 1.0, lr=round(lr, 8),
+                   time=round(0.05 + rng.uniform(0, 0.01), 5)))
             if skipped:
                 mods = [CULPRIT] if overflow_fwd else ["blocks.1.attn", "blocks.1.mlp"]
-                tw.write("skip", step, scale=scale, modules=mods,
-                         params=[f"{m}.weight" for m in mods])
+                put(ev("skip", step, scale=scale, modules=mods, params=[f"{m}.weight" for m in mods]))
                 scale, good = scale / 2, 0
             else:
                 good += 1
@@ -74,28 +75,28 @@ def write_run(path: Path, steps: int = 300, truncate_at: int | None = None) -> N
                 for m in MODULES:
                     fwd = _forward_absmax(m, step, rng)
                     numel = 8 * 128 * 64
-                    tw.write("stats", step, module=m, phase="forward", absmax=round(fwd, 3),
-                             min_nonzero=round(fwd * 1e-6, 9), inf=0, nan=0, zeros=rng.randint(0, 40),
-                             subnormal=0, numel=numel, headroom_bits=round(math.log2(FP16_MAX / fwd), 4))
+                    put(ev("stats", step, module=m, phase="forward", absmax=round(fwd, 3),
+                           min_nonzero=round(fwd * 1e-6, 9), inf=0, nan=0, zeros=rng.randint(0, 40),
+                           subnormal=0, numel=numel, headroom_bits=round(math.log2(FP16_MAX / fwd), 4)))
                     bwd = 0.02 * rng.uniform(0.5, 2.0) * scale
                     sub = rng.randint(0, 200) if m == "embed" else 0
-                    tw.write("stats", step, module=m, phase="backward", absmax=round(bwd, 3),
-                             min_nonzero=5.96e-08, inf=0, nan=0, zeros=rng.randint(0, 400),
-                             subnormal=sub, numel=numel, headroom_bits=round(math.log2(FP16_MAX / bwd), 4))
+                    put(ev("stats", step, module=m, phase="backward", absmax=round(bwd, 3),
+                           min_nonzero=5.96e-08, inf=0, nan=0, zeros=rng.randint(0, 400),
+                           subnormal=sub, numel=numel, headroom_bits=round(math.log2(FP16_MAX / bwd), 4)))
             if step % 50 == 0:
                 for m in MODULES:
                     for scope in ("local", "global"):
                         rel = _rel_l2(m, scope, step, rng)
-                        tw.write("divergence", step, module=m, scope=scope, rel_l2=round(rel, 6),
-                                 cosine=round(1 - rel * rel / 2, 8), max_abs=round(rel * 30, 5),
-                                 sqnr_db=round(-20 * math.log10(rel), 3))
+                        put(ev("divergence", step, module=m, scope=scope, rel_l2=round(rel, 6),
+                               cosine=round(1 - rel * rel / 2, 8), max_abs=round(rel * 30, 5),
+                               sqnr_db=round(-20 * math.log10(rel), 3)))
                 for m in (CULPRIT, "head"):
                     rel = _rel_l2(m, "local", step, rng) * 2
-                    tw.write("divergence", step, module=m, scope="grad", param=f"{m}.weight",
-                             rel_l2=round(rel, 6), cosine=round(1 - rel * rel / 2, 8), max_abs=None,
-                             sqnr_db=round(-20 * math.log10(rel), 3))
+                    put(ev("divergence", step, module=m, scope="grad", param=f"{m}.weight",
+                           rel_l2=round(rel, 6), cosine=round(1 - rel * rel / 2, 8), max_abs=None,
+                           sqnr_db=round(-20 * math.log10(rel), 3)))
             if step % 100 == 0:
-                tw.write("checkpoint", step, path=f"runs/ckpt-{step:06d}.pt")
+                put(ev("checkpoint", step, path=f"runs/ckpt-{step:06d}.pt"))
             if truncate_at is not None and step == truncate_at:
                 break
     if truncate_at is not None:
@@ -104,22 +105,25 @@ def write_run(path: Path, steps: int = 300, truncate_at: int | None = None) -> N
 
 
 def write_corrupt(path: Path) -> None:
-    """40 steps with a garbage line, an unknown event, missing and malformed fields, and a bf16 run."""
+    """40 steps with a garbage line, an unknown event, missing and malformed fields, and a bf16 run. The
+    malformed events are written as raw dicts, past the schema's constructor, which would refuse them."""
     buf = io.StringIO()
     with TraceWriter(buf) as tw:
-        tw.write("meta", None, version=1, source="watch", dtype="bfloat16", device="cpu")
+        put, raw = tw.write_record, tw.write_record
+        put(ev("meta", None, version=1, source="watch", dtype="bfloat16", device="cpu"))
         for step in range(1, 41):
-            tw.write("step", step, loss=1.0 / step, scale=None, skipped=False, grad_norm=None, clipped=False)
+            put(ev("step", step, loss=1.0 / step, scale=None, skipped=False, grad_norm=None, clipped=False))
             if step == 10:
                 buf.write('{"event": "step", "step": 10, "loss": 0.1, "sca\x00\x00 garbage\n')
                 tw.write("gpu_memory", step, bytes=123456)  # an event kind this reader does not know
-                tw.write("stats", step, module="fc", phase="forward")  # no numbers at all
-                tw.write("divergence", step, module="fc", rel_l2="not a number", cosine=None)
-                tw.write("step", None, loss="nan", skipped="yes")  # no step number, malformed fields
+                raw({"event": "stats", "step": step, "module": "fc", "phase": "forward"})  # no numbers at all
+                raw({"event": "divergence", "step": step, "module": "fc", "rel_l2": "not a number", "cosine": None})
+                raw({"event": "step", "step": None, "loss": "nan", "skipped": "yes"})  # no step, malformed fields
             if step == 20:
-                tw.write("stats", step, module="fc", phase="forward", absmax=3.0, headroom_bits=126.4,
-                         numel=100, subnormal=1, inf=0, nan=0, unknown_field=[1, 2])
-                tw.write("nonfinite", step, module=None, kind="nan")
+                raw({"event": "stats", "step": step, "module": "fc", "phase": "forward", "absmax": 3.0,
+                     "headroom_bits": 126.4, "numel": 100, "subnormal": 1, "inf": 0, "nan": 0,
+                     "unknown_field": [1, 2]})
+                put(ev("nonfinite", step, module=None, kind="nan"))
     path.write_text(buf.getvalue())
 
 

@@ -18,6 +18,7 @@ from ampaudit.runtime.trace import read_trace
 from ampaudit.runtime.watch import watch
 
 from conftest import ASSETS, load_planted
+from trace_events import ev
 
 
 def _run(trace, *, steps: int = 20, scaled: bool = True) -> None:
@@ -48,6 +49,7 @@ def scaled_trace(tmp_path_factory):
     return trace
 
 
+@pytest.mark.slow
 def test_tiny_grads_flush_without_scaling_and_fit_with_it(scaled_trace):
     g = summarize_trace(scaled_trace)["grad_hist"]
     assert (g["dtype"], g["min_subnormal_log2"], g["min_normal_log2"], g["max_log2"]) == ("float16", -24, -14, 15)
@@ -65,6 +67,7 @@ def test_tiny_grads_flush_without_scaling_and_fit_with_it(scaled_trace):
     assert rec["code"] == f"torch.amp.GradScaler('cpu', init_scale={2.0 ** g['init_scale_log2']!r})"
 
 
+@pytest.mark.slow
 def test_console_has_the_grad_range_line(scaled_trace):
     out = subprocess.run([sys.executable, "-m", "ampaudit", "report", str(scaled_trace)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
@@ -101,11 +104,9 @@ def test_trainer_traces_carry_the_scale_of_each_step(tmp_path):
 
 
 def test_scale_comes_from_step_events_when_the_histogram_has_none():
-    events = [{"event": "meta", "step": None, "version": 2, "dtype": "float16"},
-              {"event": "step", "step": 1, "scale": 2.0 ** 10},
-              {"event": "grad_hist", "step": 2, "module": "fc", "lo": -20, "counts": [3, 1], "zeros": 0,
-               "nonfinite": 0, "scale": None},
-              {"event": "step", "step": 2, "scale": 2.0 ** 10}]
+    events = [ev("meta", version=2, dtype="float16"), ev("step", 1, scale=2.0 ** 10),
+              ev("grad_hist", 2, module="fc", lo=-20, counts=[3, 1], zeros=0, nonfinite=0, scale=None),
+              ev("step", 2, scale=2.0 ** 10)]
     g = summarize(events)["grad_hist"]
     assert g["scale_source"] == "steps" and g["scale_log2"] == 10
     assert (g["unscaled"]["min_log2"], g["unscaled"]["max_log2"]) == (-30, -29)
@@ -150,6 +151,7 @@ def drawn(scaled_trace):
     return dom, _png_rgb(shot).astype(int)
 
 
+@pytest.mark.slow
 def test_browser_draws_both_histograms_and_the_dtype_bands(drawn):
     dom, _ = drawn
     start = dom.index('id="plot-gradhist"')
@@ -163,6 +165,7 @@ def test_browser_draws_both_histograms_and_the_dtype_bands(drawn):
         assert text in part, text
 
 
+@pytest.mark.slow
 def test_screenshot_puts_unscaled_bars_below_the_subnormal_range_and_scaled_ones_inside(drawn):
     np = pytest.importorskip("numpy")
     _, px = drawn

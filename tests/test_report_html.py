@@ -22,6 +22,7 @@ pytest.importorskip("plotly")
 from ampaudit.errors import UsageError  # noqa: E402
 from ampaudit.report.html import build_html, write_atomic, write_html  # noqa: E402
 from ampaudit.runtime.trace import read_trace  # noqa: E402
+from trace_events import ev
 
 ASSETS = Path(__file__).parent / "assets"
 PLOTS = ["plot-loss", "plot-scale", "plot-grad", "plot-divergence", "plot-headroom"]
@@ -62,8 +63,7 @@ def test_plots_without_data_say_so():
 
 
 def test_module_names_are_escaped():
-    events = [{"event": "step", "step": 1, "loss": 1.0},
-              {"event": "nonfinite", "step": 1, "module": "</script><b>x", "phase": "forward", "kind": "nan"}]
+    events = [ev("step", 1, loss=1.0), ev("nonfinite", 1, module="</script><b>x", phase="forward", kind="nan")]
     page = build_html(events, [])
     assert "</script><b>x" not in page
     assert "&lt;/script&gt;&lt;b&gt;x" in page
@@ -87,8 +87,8 @@ def test_long_series_are_thinned_keeping_spikes():
     from ampaudit.report.trace_summary import collect
 
     n = 50_000
-    events = [{"event": "step", "step": i, "loss": 1.0, "grad_norm": 100.0 if i == 31_337 else 1.0,
-               "scale": 1024.0, "skipped": True, "clipped": True} for i in range(1, n + 1)]
+    events = [ev("step", i, loss=1.0, grad_norm=100.0 if i == 31_337 else 1.0, scale=1024.0, skipped=True,
+                 clipped=True) for i in range(1, n + 1)]
     fig = grad_figure(collect(events))
     line, clipped = fig.data[0], fig.data[1]
     assert len(line.x) <= MAX_POINTS and len(clipped.x) <= MAX_POINTS
@@ -167,6 +167,7 @@ def rendered(run_page):
     return render(run_page, shot), shot
 
 
+@pytest.mark.slow
 def test_browser_draws_every_plot(rendered):
     dom, _ = rendered
     starts = [dom.index(f'id="{div}"') for div in PLOTS] + [len(dom)]
@@ -183,6 +184,7 @@ def test_browser_draws_every_plot(rendered):
     assert "first non-finite: blocks.1.attn" in parts["plot-scale"]
 
 
+@pytest.mark.slow
 def test_screenshot_shows_the_plots(rendered):
     _, shot = rendered
     px = _png_rgb(shot).astype(int)

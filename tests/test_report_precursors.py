@@ -11,20 +11,21 @@ import pytest
 from ampaudit.report.trace_precursors import loss_spikes
 from ampaudit.report.trace_summary import StepRow, summarize
 from ampaudit.runtime.trace import read_trace
+from trace_events import ev, steps
 
 ASSETS = Path(__file__).parent / "assets"
 
 
 def _steps(losses):
-    return [{"event": "step", "step": i, "loss": x, "scale": None, "skipped": False} for i, x in enumerate(losses, 1)]
+    return steps(losses)
 
 
 def _prec(step, signal, module, value, **extra):
-    return {"event": "precursor", "step": step, "signal": signal, "module": module, "value": value, **extra}
+    return ev("precursor", step, signal=signal, module=module, value=value, **extra)
 
 
 def _trace(*events, dtype="bfloat16"):
-    return [{"event": "meta", "step": None, "version": 3, "dtype": dtype, "source": "train"}, *events]
+    return [ev("meta", version=3, dtype=dtype, source="train"), *events]
 
 
 def test_attention_warning_names_module_step_value_and_fix():

@@ -11,6 +11,7 @@ from ampaudit.errors import InputError, TraceError
 from ampaudit.report.trace_advice import load_findings
 from ampaudit.report.trace_summary import collect, num, summarize, summarize_trace
 from ampaudit.runtime.trace import TraceWriter
+from trace_events import ev
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -131,11 +132,11 @@ def test_num_reads_the_writers_nonfinite_strings():
 
 def _write(path: Path, steps: list[dict], extra: list[tuple] = ()) -> Path:
     with TraceWriter(path) as tw:
-        tw.write("meta", None, version=1, source="watch", dtype="float16", device="cuda")
+        tw.write_record(ev("meta", None, version=1, source="watch", dtype="float16", device="cuda"))
         for i, row in enumerate(steps, 1):
-            tw.write("step", i, **row)
+            tw.write_record(ev("step", i, **row))
         for event, step, fields in extra:
-            tw.write(event, step, **fields)
+            tw.write_record(ev(event, step, **fields))
     return path
 
 
@@ -199,9 +200,9 @@ def test_missing_trace_raises_trace_error(tmp_path):
 
 
 def test_collect_groups_by_kind():
-    data = collect([{"event": "meta", "dtype": "float16"}, {"event": "step", "step": 3, "skipped": True},
-                    {"event": "skip", "step": 5, "modules": ["a"]}, {"event": "meta", "dtype": "other"}])
-    assert data.meta == {"dtype": "float16"}  # the first meta wins
+    data = collect([ev("meta", dtype="float16"), ev("step", 3, skipped=True), ev("skip", 5, modules=["a"]),
+                    ev("meta", dtype="other")])
+    assert data.meta["dtype"] == "float16"  # the first meta wins
     assert data.skipped_steps == [3, 5]
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ampaudit.runtime.trace import TraceWriter, read_trace
 from ampaudit.runtime.watch import NonFiniteError, Watch, watch
+from trace_events import ev
 
 from conftest import load_planted
 
@@ -198,10 +199,10 @@ def test_shared_trace_writer_gets_no_meta_line(tmp_path):
     path = tmp_path / "shared.jsonl"
     model = nn.Linear(3, 3)
     with TraceWriter(path) as tw:
-        tw.write("meta", version=1, source="train")
+        tw.write_record(ev("meta", version=1, source="train"))
         with watch(model, trace=tw, every=1, locate_first=False):
             model(torch.randn(2, 3)).sum().backward()
-        tw.write("step", step=0, loss=1.0)
+        tw.write_record(ev("step", 0, loss=1.0))
     events, _ = read_trace(path)
     assert [e["event"] for e in events].count("meta") == 1
     assert events[-1]["event"] == "step"

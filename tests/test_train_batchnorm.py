@@ -68,6 +68,7 @@ def test_cli_warning_is_one_line_on_stderr(tmp_path):
     assert "SmallBatchWarning" not in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_sync_batchnorm_under_two_gloo_ranks_trains_like_one_process_with_both_batches(bn, tmp_path):
     final, trace = tmp_path / "ddp.pt", tmp_path / "ddp.jsonl"

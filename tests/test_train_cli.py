@@ -18,6 +18,7 @@ def run(*args: str):
     return CliRunner(env={"COLUMNS": "160"}).invoke(app, ["train", *args])
 
 
+@pytest.mark.slow
 def test_train_saves_weights_and_writes_trace(tmp_path):
     final, trace = tmp_path / "final.pt", tmp_path / "run.jsonl"
     r = run(MLP, "--steps", "6", "--accum", "2", "--clip-norm", "1", "--opt-level", "O2", "--save", str(final),
@@ -98,6 +99,7 @@ def test_resume_says_what_it_does(tmp_path):
     assert torch.load(ckpt / "last.pt", weights_only=True)["step"] == 5
 
 
+@pytest.mark.slow
 def test_train_tensorboard_needs_trace_and_writes_scalars(tmp_path):
     import subprocess
     import sys

@@ -9,6 +9,7 @@ from ampaudit.train import Trainer
 MLP = ASSETS / "train_mlp.py"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_two_rank_ddp_equals_one_process_with_the_global_batch(tmp_path):
     final, trace = tmp_path / "ddp.pt", tmp_path / "ddp.jsonl"
@@ -32,6 +33,7 @@ def test_two_rank_ddp_equals_one_process_with_the_global_batch(tmp_path):
     assert losses == pytest.approx(result.losses, rel=1e-3)     # the logged loss is the mean over ranks
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_two_rank_halt_stops_every_rank_with_exit_3(tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -60,6 +62,7 @@ with open({out!r} + os.environ["RANK"], "w") as fh:   # one file per rank: stdou
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_api_users_under_torchrun_need_only_the_with_block(tmp_path):
     # The trainer joins the group, wraps in DDP, and on leaving the block waits for every rank and leaves the
@@ -88,6 +91,7 @@ with open({out!r} + os.environ["RANK"], "w") as fh:
 """
 
 
+@pytest.mark.slow
 def test_trainers_in_sequence_each_join_and_leave_the_group(tmp_path):
     # A second default group under torchrun's store keys would find the first one's stale addresses and hang.
     script = tmp_path / "rejoin.py"

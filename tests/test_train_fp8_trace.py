@@ -23,6 +23,7 @@ pytest.importorskip("torchao")
 from ampaudit.planning.apply import apply_plan  # noqa: E402
 from ampaudit.planning.fp8 import cast_stats  # noqa: E402
 from ampaudit.policy import settings  # noqa: E402
+from trace_events import ev
 
 KEYS = {"amax", "scale", "flushed_share", "clipped_share"}
 
@@ -144,8 +145,8 @@ def test_report_shows_the_float8_section(tmp_path):
     assert [(e["step"], e["module"]) for e in read_trace(trace)[0] if e["event"] == "fp8"] == [(1, "fc2"), (3, "fc2")]
     # a budget event, as a run whose layer flushed would write it
     with open(trace, "a") as fh:
-        fh.write(json.dumps({"event": "fp8_budget", "step": 3, "module": "fc2", "role": "grad_output",
-                             "flushed_share": 0.8, "max_flushed_share": 0.5, "fallback": False}) + "\n")
+        fh.write(json.dumps(ev("fp8_budget", 3, module="fc2", role="grad_output", flushed_share=0.8,
+                               max_flushed_share=0.5, fallback=False)) + "\n")
     r = runner.invoke(app, ["report", str(trace)])
     assert r.exit_code == 0, r.output
     section = r.stdout.split("Float8 layers")[1].split("Recommendations")[0]
@@ -162,6 +163,7 @@ def test_fallback_needs_a_trace():
     assert r.exit_code == 2 and "--fp8-fallback needs --trace" in r.output
 
 
+@pytest.mark.slow
 def test_the_trainer_and_the_hooks_import_no_torchao():
     code = ("import sys, ampaudit.train, ampaudit.runtime.session, ampaudit.runtime.fp8_stats; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torchao', 'rich')))")

@@ -41,6 +41,7 @@ def _fsdp_trainer(blocks, dtype="bfloat16", **kwargs) -> Trainer:
                    dtype=dtype, fsdp=True, clip_norm=1.0, handle_signals=False, **kwargs)
 
 
+@pytest.mark.slow
 def test_two_ranks_accum_2_equal_one_rank_accum_4_and_ddp(blocks, tmp_path, one_thread):
     # float32: DDP and FSDP then compute the same thing (in bf16, DDP's autocast keeps fp32 weights where FSDP
     # gathers them in bf16, and Adam turns those roundings of near-zero gradients into whole lr-sized steps).
@@ -69,6 +70,7 @@ def test_two_ranks_accum_2_equal_one_rank_accum_4_and_ddp(blocks, tmp_path, one_
     assert all(e["grad_norm"] is not None for e in events if e["event"] == "step")   # the norm of every shard
 
 
+@pytest.mark.slow
 def test_bf16_two_ranks_equal_one_rank(blocks, tmp_path, one_thread):
     # Activation checkpointing on the two ranks, off on the one: the recompute under FSDP changes nothing.
     done = _torchrun(2, "--steps", "4", "--dtype", "bfloat16", "--accum", "2", "--fsdp", "--clip-per-layer",
@@ -111,6 +113,7 @@ def _wait_for_checkpoint(trace, at: int, proc, timeout=120.0) -> None:
     pytest.fail("timed out waiting for a checkpoint")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical_and_loads_on_one_rank(blocks, tmp_path, one_thread):
     steps, args = 150, ["--accum", "2", "--fsdp", "--dtype", "float16", "--clip-norm", "1.0"]
     ckpt, trace = tmp_path / "ckpt", tmp_path / "run.jsonl"
@@ -199,6 +202,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_nonfinite_gradient_in_one_ranks_shard_is_named_on_every_rank(tmp_path):
     script = tmp_path / "attribution.py"
     script.write_text(ATTRIBUTION_SCRIPT.format(assets=str(ASSETS), out=str(tmp_path / "rank")))
@@ -209,6 +213,7 @@ def test_a_nonfinite_gradient_in_one_ranks_shard_is_named_on_every_rank(tmp_path
                      "rank 1 ['blocks.2.up.weight'] ['blocks.2.up'] inf 32"]
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_halt_names_modules_and_writes_a_sharded_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     done = torchrun("-m", "ampaudit", "train", str(ASSETS / "train_overflow.py"), "--fsdp", "--steps", "50",
@@ -243,6 +248,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "ddp"])
 def test_compile_on_two_ranks_trains_as_eager(tmp_path, fsdp):
     script, trace = tmp_path / "compiled.py", tmp_path / "run.jsonl"

@@ -36,6 +36,7 @@ def test_models_made_to_fail_are_refused_before_sharding(blocks, entry, check, w
     assert not dist.is_initialized()          # the group the trainer joined is left again
 
 
+@pytest.mark.slow
 def test_fp16_reduction_under_bf16_is_refused(blocks):
     with pytest.raises(TrainError, match="preflight: reduce: gradients reduced in float16 while training in bf"):
         _fsdp(blocks, reduce_dtype="float16")
@@ -95,6 +96,7 @@ def _preflight_cli(entry: str, *extra: str) -> subprocess.CompletedProcess:
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.slow
 def test_preflight_only_prints_one_line_per_check_and_exits_0_or_1():
     good = _preflight_cli("build_model")
     assert good.returncode == 0, good.stderr

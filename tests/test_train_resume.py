@@ -89,6 +89,7 @@ def _wait_for(trace, predicate, proc, timeout=60.0):
     pytest.fail("timed out waiting for the trace event")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(mlp, tmp_path, one_thread):
     steps, args = 300, ["--dtype", "float16", "--accum", "2", "--clip-norm", "1.0", "--checkpoint-every", "7"]
     ckpt, trace = tmp_path / "ckpt", tmp_path / "run.jsonl"
@@ -114,6 +115,7 @@ def test_sigkill_then_resume_equals_uninterrupted(mlp, tmp_path, one_thread):
         assert torch.equal(resumed[name], value), f"{name} differs after a kill at step {killed_at}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_saves_a_checkpoint_and_exits(tmp_path, signum, code):
     ckpt, trace = tmp_path / "ckpt", tmp_path / "run.jsonl"

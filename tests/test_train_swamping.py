@@ -18,6 +18,7 @@ from ampaudit.runtime.trace import read_trace
 from ampaudit.train import Trainer
 from ampaudit.train.masters import cast_model_o2
 from ampaudit.train.preflight_state import check_optimizer_state
+from trace_events import ev
 
 PLANTED = Path(__file__).resolve().parent / "planted"
 
@@ -218,19 +219,19 @@ def test_bf16_weights_stepped_without_masters_in_a_plain_loop():
 
 
 def test_report_reads_swamping_and_preflight_events():
-    meta = {"event": "meta", "step": None, "version": 3, "dtype": "bfloat16"}
-    steps = [{"event": "step", "step": i, "loss": 1.0, "skipped": False} for i in (1, 2)]
-    ev = {"event": "swamping", "step": 2, "tensor": "ema.w", "module": "ema", "kind": "param", "dtype": "bfloat16",
-          "share_rounded": 0.97, "realized_ratio": 0.04, "elements": 100, "numel": 100, "update_rel": 1e-4,
-          "half_ulp_rel": 0.0039, "why": "no FP32 master", "fix": "keep ema in float32"}
-    s = summarize([meta, *steps, ev, {**ev, "step": "bad", "share_rounded": "x"}, {"event": "swamping"}])
+    meta = ev("meta", version=3, dtype="bfloat16")
+    steps = [ev("step", i, loss=1.0, skipped=False) for i in (1, 2)]
+    good = ev("swamping", 2, tensor="ema.w", module="ema", kind="param", dtype="bfloat16", share_rounded=0.97,
+              realized_ratio=0.04, elements=100, numel=100, update_rel=1e-4, half_ulp_rel=0.0039,
+              why="no FP32 master", fix="keep ema in float32")
+    s = summarize([meta, *steps, good, {**good, "step": "bad", "share_rounded": "x"}, {"event": "swamping"}])
     (row,) = s["swamping"]["tensors"]
     assert row["tensor"] == "ema.w" and row["steps"] == 2 and row["share_rounded"] == 0.97
     (rec,) = [r for r in s["recommendations"] if r["kind"] == "swamping"]
     assert rec["severity"] == "warning" and rec["modules"] == ["ema"]
     assert "ema.w" in rec["message"] and "97%" in rec["message"] and "keep ema in float32" in rec["message"]
     check = {"name": "updates", "status": "warn", "message": "2 tensor(s) change", "hint": "keep them fp32"}
-    s = summarize([meta, {"event": "preflight", "step": 0, "checks": [check, {**check, "name": "memory"}]}, *steps])
+    s = summarize([meta, ev("preflight", 0, checks=[check, {**check, "name": "memory"}]), *steps])
     (rec,) = s["recommendations"]
     assert rec["kind"] == "preflight" and "updates: 2 tensor(s) change -> keep them fp32" in rec["message"]
     assert "preflight" not in s["unknown_events"]
@@ -257,9 +258,9 @@ def test_html_page_shows_swamping():
     pytest.importorskip("plotly")
     from ampaudit.report.html import build_html
 
-    ev = {"event": "swamping", "step": 2, "tensor": "ema.<w>", "module": "ema", "kind": "param", "dtype": "bfloat16",
-          "share_rounded": 0.97, "realized_ratio": 0.04, "why": "no FP32 master", "fix": "keep ema in float32"}
-    page = build_html([{"event": "meta", "step": None, "version": 3}, {"event": "step", "step": 1, "loss": 1.0}, ev])
+    swamped = ev("swamping", 2, tensor="ema.<w>", module="ema", kind="param", dtype="bfloat16", share_rounded=0.97,
+                 realized_ratio=0.04, why="no FP32 master", fix="keep ema in float32")
+    page = build_html([ev("meta", version=3), ev("step", 1, loss=1.0), swamped])
     assert "swamping</td>" in page and "<b>ema.&lt;w&gt;</b> (bfloat16): 97% of updates rounded away" in page
     assert "keep ema in float32" in page and "looks healthy" not in page
 

@@ -30,7 +30,7 @@ import torch
 
 from ampaudit.dtypes import by_name, name_of
 from ampaudit.report.trace_advice import init_scale_code
-from ampaudit.report.trace_summary import finite, num
+from ampaudit.report.trace_data import finite, num
 
 
 def hist_row(ev: dict, step: int | None) -> dict | None:

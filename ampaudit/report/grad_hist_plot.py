@@ -14,7 +14,7 @@ import textwrap
 import plotly.graph_objects as go
 
 from ampaudit.report.grad_hist import describe, grad_hist_summary, run_histograms
-from ampaudit.report.trace_summary import TraceData
+from ampaudit.report.trace_data import TraceData
 
 COLORS = {"unscaled": "#ff7f0e", "scaled": "#1f5fa8", "flush": "rgba(214,39,40,0.16)",
           "subnormal": "rgba(255,193,7,0.22)", "overflow": "rgba(214,39,40,0.16)"}

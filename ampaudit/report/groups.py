@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ampaudit.findings import Finding
+if TYPE_CHECKING:    # annotations only: findings.py numbers its groups with this module
+    from ampaudit.findings import Finding
 
 # Module patterns of one group shown in the table before "and N more patterns".
 MAX_PATTERNS = 3

@@ -18,8 +18,8 @@ from typing import Iterable
 
 from ampaudit.errors import UsageError
 from ampaudit.fileio import atomic_write_text
-from ampaudit.report.trace_console import fmt
-from ampaudit.report.trace_summary import TraceData, collect, summarize
+from ampaudit.report.trace_data import TraceData, fmt
+from ampaudit.report.trace_summary import collect, summarize
 
 PLOTLY_HINT = "pip install 'ampaudit[report]'"
 

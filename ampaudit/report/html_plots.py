@@ -18,7 +18,8 @@ from ampaudit.report.html_eval import eval_figure
 from ampaudit.report.html_precursors import precursor_figure
 from ampaudit.report.trace_advice import THRESHOLDS
 from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, rank_by_verdict
-from ampaudit.report.trace_summary import TraceData, headroom_table
+from ampaudit.report.trace_data import TraceData
+from ampaudit.report.trace_summary import headroom_table
 
 # Heatmap and bar charts stay readable up to this many modules; the worst ones are kept.
 MAX_MODULES = 40

@@ -214,30 +214,16 @@ def _confirmed(findings: list[dict], evidence: dict[str, list[str]]) -> dict | N
             "message": f"the run confirmed {len(confirmed)} of {len(findings)} check findings: {names}"}
 
 
-def recommend(summary: dict, data: Any, *, culprits: list, all_headroom: list[dict],
-              findings: list[dict] | None = None) -> list[dict]:
-    """Recommendations for a summary (see module doc), most severe first."""
-    from ampaudit.report.grad_hist import grad_hist_advice  # it reads the summary module, which imports this one
-    from ampaudit.report.trace_decisions import decision_advice, decision_evidence  # they read trace_summary
-
+def run_advice(summary: dict, data: Any, *, culprits: list, all_headroom: list[dict], findings: list[dict] | None,
+               extra_evidence: dict[str, list[str]]) -> list[dict | None]:
+    """The run-wide recommendations (broken, keep_fp32, nonfinite_unlocated, confirmed_findings, init_scale, bf16,
+    clipping), None where one does not apply. ``extra_evidence``: module -> what else the run saw there (flipped
+    decisions), which confirms findings too but is not keep_fp32's evidence. The readers of one kind add theirs:
+    :func:`ampaudit.report.trace_summary.recommend`."""
     evidence = _evidence(summary, data, culprits, all_headroom)
-    # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
     confirming = {**evidence}
-    for module, seen in decision_evidence(summary).items():
+    for module, seen in extra_evidence.items():
         confirming[module] = [*confirming.get(module, []), *seen]
-    recs = [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
+    return [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
             _confirmed(findings or [], confirming),
             _init_scale(summary, data), _bf16(summary, data, evidence), _clipping(summary)]
-    recs.append(grad_hist_advice(summary))
-    from ampaudit.report.trace_eval import eval_advice  # it reads trace_summary, which imports this module
-
-    recs.append(eval_advice(summary))
-    from ampaudit.report.trace_swamping import swamping_advice  # it reads trace_summary too
-
-    recs.append(swamping_advice(summary))
-    recs.append(decision_advice(summary))
-    from ampaudit.report.trace_precursors import precursor_advice  # it reads trace_summary too
-
-    recs.extend(precursor_advice(summary))
-    order = {"error": 0, "warning": 1, "info": 2}
-    return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])

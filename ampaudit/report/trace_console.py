@@ -14,21 +14,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from ampaudit.report.trace_advice import THRESHOLDS
-from ampaudit.report.trace_summary import num
+from ampaudit.report.trace_data import fmt, num
 
 SEVERITY_STYLE = {"error": ("x", "bold red"), "warning": ("!", "yellow"), "info": ("i", "cyan")}
 SHOW_SKIPPED = 12
 SHOW_PROBLEMS = 10
-
-
-def fmt(value: Any, spec: str = ".3g", none: str = "-") -> str:
-    """A summary number for people: ``None`` as ``-``, inf/NaN strings kept as they are."""
-    x = num(value)
-    if x is None:
-        return none
-    if x != x or x in (float("inf"), float("-inf")):
-        return str(value)
-    return format(x, spec)
 
 
 def _pow2(value: Any) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ampaudit.report.trace_summary import finite
+from ampaudit.report.trace_data import finite
 
 SHOW = 5
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ampaudit.report.trace_summary import TraceData
+from ampaudit.report.trace_data import TraceData
 
 
 def _worst_first(row: dict) -> tuple[int, float]:

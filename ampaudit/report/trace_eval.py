@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampaudit.report.trace_summary import num
+from ampaudit.report.trace_data import fmt, num
 
 VALUES = ("autocast", "fp32", "gap", "noise")
 
@@ -79,8 +79,6 @@ def eval_advice(summary: dict) -> dict | None:
     beyond = ev.get("beyond_noise") or []
     if not beyond:
         return None
-    from ampaudit.report.trace_console import fmt  # it imports rich, which the summary needs only here
-
     step = beyond[-1]["step"]
     flagged = [b for b in beyond if b["step"] == step]
     evals = len({b["step"] for b in beyond})
@@ -97,8 +95,6 @@ def eval_advice(summary: dict) -> dict | None:
 def render_eval(ev: dict, console: Any) -> None:
     """The evaluation section of ``ampaudit report`` in the terminal: the last eval, and the gaps beyond noise."""
     from rich.markup import escape
-
-    from ampaudit.report.trace_console import fmt
 
     last = ev["last"]
     console.print(f"\n[bold]Evaluation[/] ({ev['count']} evals, {escape(str(ev.get('dtype') or '?'))} autocast | "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampaudit.report.trace_summary import num
+from ampaudit.report.trace_data import num
 
 ROLES = ("input", "weight", "grad_output")
 FIELDS = ("amax", "scale", "flushed_share", "clipped_share")

@@ -17,7 +17,7 @@ import statistics
 from typing import Any
 
 from ampaudit.policy import precursors as precursor_policy
-from ampaudit.report.trace_summary import finite, num
+from ampaudit.report.trace_data import as_step, finite, fmt, num
 
 SIGNALS = ("attn_logit", "output_logit", "output_lse", "massive_activation")
 
@@ -27,12 +27,10 @@ def precursor_row(ev: dict, step: int | None) -> dict | None:
     signal = ev.get("signal")
     if signal not in SIGNALS:
         return None
-    from ampaudit.report.trace_summary import _as_step
-
     module = ev.get("module")
     # An event covers an interval: the pass its largest value was seen at, and the first pass at or past the
     # writer's line, when the writer recorded them (else the interval's step stands for both).
-    seen, crossed = _as_step(ev.get("max_step")), _as_step(ev.get("crossed_step"))
+    seen, crossed = as_step(ev.get("max_step")), as_step(ev.get("crossed_step"))
     return {"step": step, "signal": signal, "module": module if isinstance(module, str) else "",
             "value": num(ev.get("value")), "absmax": finite(ev.get("absmax")), "median": finite(ev.get("median")),
             "max_step": seen if seen is not None else step, "crossed_step": crossed}
@@ -144,11 +142,9 @@ def precursor_summary(data: Any) -> dict:
 
 
 def _message(row: dict, cfg: dict, before: int | None) -> str:
-    from ampaudit.report.trace_console import fmt as _fmt  # it imports rich, which the summary needs only here
-
     where = row["module"] or "the model's output"
-    at = f"crossed {_fmt(row['threshold'])} at step {row['crossed_step']}"
-    then = f" and reached {_fmt(row['max'])} at step {row['max_step']}"
+    at = f"crossed {fmt(row['threshold'])} at step {row['crossed_step']}"
+    then = f" and reached {fmt(row['max'])} at step {row['max_step']}"
     ahead = f", {before - row['crossed_step']} steps before the loss broke at step {before}" \
         if before is not None and row["crossed_step"] is not None and row["crossed_step"] < before else ""
     if row["signal"] == "attn_logit":
@@ -161,7 +157,7 @@ def _message(row: dict, cfg: dict, before: int | None) -> str:
         return (f"output logits diverge: the {what} of {where} {at}{then}{ahead}, where the run's dtype spaces "
                 f"logits {cfg['output_logit']['max_spacing']:g} nats apart or more")
     return (f"massive activations in {where}: its |output| max over its median |x| {at}{then}{ahead}, with values "
-            f"up to {_fmt(row['absmax'])} (Sun et al. 2024: > {_fmt(cfg['massive_activation']['min_abs'])} and ~1000x "
+            f"up to {fmt(row['absmax'])} (Sun et al. 2024: > {fmt(cfg['massive_activation']['min_abs'])} and ~1000x "
             "the median; one per-tensor fp8 scale then flushes the rest)")
 
 

@@ -17,115 +17,27 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ampaudit.runtime.trace import TRACE_VERSION, jsonable, read_trace
+from ampaudit.report.trace_data import StepRow, TraceData, as_step, finite, log2, num, text
+from ampaudit.runtime.trace import jsonable, read_trace
+from ampaudit.runtime.trace_schema import ENVELOPE, TRACE_VERSION
 
 SUMMARY_VERSION = 1
 
-# A divergence scope ranks modules by the error they add themselves ("local") before the error they carry from
-# upstream ("global"); "grad" compares parameter gradients and is ranked on its own.
-SCOPE_PREFERENCE = ("local", "global")
 # A binary file read as a trace has a problem per line; the summary keeps the first ones and the count.
 MAX_PROBLEMS = 50
 
 
-def num(value: Any) -> float | None:
-    """A trace field as a float: numbers, and the strings "inf"/"-inf"/"nan" the writer uses; else ``None``."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str) and value.strip().lower() in ("inf", "-inf", "+inf", "nan", "infinity", "-infinity"):
-        return float(value.strip().lower())
-    return None
-
-
-def finite(value: Any) -> float | None:
-    """Like :func:`num`, but ``None`` for inf/NaN."""
-    x = num(value)
-    return x if x is not None and math.isfinite(x) else None
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _log2(x: float | None) -> float | None:
-    return math.log2(x) if x is not None and x > 0 and math.isfinite(x) else None
-
-
-@dataclass
-class StepRow:
-    """One ``step`` event, normalised."""
-
-    step: int
-    loss: float | None
-    scale: float | None
-    skipped: bool
-    grad_norm: float | None
-    clipped: bool
-    lr: float | None
-    time: float | None
-
-
-@dataclass
-class TraceData:
-    """The events of one trace grouped by kind, with fields normalised. Build with :func:`collect`."""
-
-    meta: dict = field(default_factory=dict)
-    steps: list[StepRow] = field(default_factory=list)
-    stats: list[dict] = field(default_factory=list)
-    nonfinite: list[dict] = field(default_factory=list)
-    divergence: list[dict] = field(default_factory=list)
-    skips: list[dict] = field(default_factory=list)
-    grad_hist: list[dict] = field(default_factory=list)     # rows of ampaudit.report.grad_hist
-    checkpoints: list[dict] = field(default_factory=list)
-    halts: list[dict] = field(default_factory=list)
-    fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
-    fp8_budget: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
-    swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
-    preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)
-    decisions: list[dict] = field(default_factory=list)     # rows of ampaudit.report.trace_decisions
-    precursors: list[dict] = field(default_factory=list)    # rows of ampaudit.report.trace_precursors
-    unknown: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def skipped_steps(self) -> list[int]:
-        """Steps skipped by the loss scaler, from ``step`` rows and ``skip`` events, sorted."""
-        found = {r.step for r in self.steps if r.skipped}
-        found.update(s["step"] for s in self.skips if s["step"] is not None)
-        return sorted(found)
-
-    def divergence_scope(self) -> str | None:
-        """The scope modules are ranked by: local, else global, else any non-grad scope present."""
-        scopes = {d["scope"] for d in self.divergence if d["scope"] != "grad"}
-        for scope in SCOPE_PREFERENCE:
-            if scope in scopes:
-                return scope
-        return sorted(s for s in scopes if s)[0] if any(scopes) else None
-
-
-def _as_step(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
 def collect(events: Iterable[dict]) -> TraceData:
     """Group events by kind. A step event without a step number gets the previous one plus one."""
-    from ampaudit.report.trace_fp8 import budget_row, fp8_row  # it reads this module's num()
+    # The readers of one kind load only when a trace is read (grad_hist imports torch).
+    from ampaudit.report.grad_hist import hist_row
     from ampaudit.report.trace_decisions import decision_row
     from ampaudit.report.trace_eval import eval_row
-    from ampaudit.report.grad_hist import hist_row
-    from ampaudit.report.trace_swamping import preflight_rows, swamping_row
+    from ampaudit.report.trace_fp8 import budget_row, fp8_row
     from ampaudit.report.trace_precursors import precursor_row
+    from ampaudit.report.trace_swamping import preflight_rows, swamping_row
 
     # Kinds read by their own module's row function into one TraceData list (a None row is skipped).
     rows = {"grad_hist": (hist_row, "grad_hist"), "fp8": (fp8_row, "fp8"), "fp8_budget": (budget_row, "fp8_budget"),
@@ -137,10 +49,10 @@ def collect(events: Iterable[dict]) -> TraceData:
         if not isinstance(ev, dict):
             continue
         kind = ev.get("event")
-        step = _as_step(ev.get("step"))
+        step = as_step(ev.get("step"))
         if kind == "meta":
             if not data.meta:
-                data.meta = {k: v for k, v in ev.items() if k not in ("event", "step")}
+                data.meta = {k: v for k, v in ev.items() if k not in ENVELOPE}
         elif kind == "step":
             step = step if step is not None else last_step + 1
             last_step = step
@@ -152,7 +64,7 @@ def collect(events: Iterable[dict]) -> TraceData:
         elif kind == "stats":
             numel = finite(ev.get("numel"))
             data.stats.append({
-                "step": step, "module": _text(ev.get("module")) or "", "phase": _text(ev.get("phase")) or "forward",
+                "step": step, "module": text(ev.get("module")) or "", "phase": text(ev.get("phase")) or "forward",
                 "absmax": num(ev.get("absmax")), "headroom_bits": num(ev.get("headroom_bits")),
                 "inf": finite(ev.get("inf")) or 0.0, "nan": finite(ev.get("nan")) or 0.0,
                 # finite values above the dtype's max (an fp32 tensor that would not fit), and passes whose
@@ -163,12 +75,12 @@ def collect(events: Iterable[dict]) -> TraceData:
                 "zeros_frac": (finite(ev.get("zeros")) or 0.0) / numel if numel else None})
         elif kind == "nonfinite":
             data.nonfinite.append({
-                "step": step, "phase": _text(ev.get("phase")), "module": _text(ev.get("module")),
-                "op": _text(ev.get("op")), "source": _text(ev.get("source")), "kind": _text(ev.get("kind"))})
+                "step": step, "phase": text(ev.get("phase")), "module": text(ev.get("module")),
+                "op": text(ev.get("op")), "source": text(ev.get("source")), "kind": text(ev.get("kind"))})
         elif kind == "divergence":
             data.divergence.append({
-                "step": step, "module": _text(ev.get("module")) or "", "scope": _text(ev.get("scope")) or "global",
-                "param": _text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
+                "step": step, "module": text(ev.get("module")) or "", "scope": text(ev.get("scope")) or "global",
+                "param": text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
                 "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db")),
                 "input_rel_l2": num(ev.get("input_rel_l2")), "output_rel_l2": num(ev.get("output_rel_l2"))})
         elif kind == "skip":
@@ -179,10 +91,10 @@ def collect(events: Iterable[dict]) -> TraceData:
                 "modules": [m for m in mods if isinstance(m, str)] if isinstance(mods, list) else [],
                 "params": [p for p in params if isinstance(p, str)] if isinstance(params, list) else []})
         elif kind == "checkpoint":
-            data.checkpoints.append({"step": step, "path": _text(ev.get("path"))})
+            data.checkpoints.append({"step": step, "path": text(ev.get("path"))})
         elif kind == "halt":
             diag = ev.get("diagnosis")
-            data.halts.append({"step": step, "reason": _text(ev.get("reason")),
+            data.halts.append({"step": step, "reason": text(ev.get("reason")),
                                "diagnosis": diag if isinstance(diag, dict) else None})
         elif kind in rows:
             read, into = rows[kind]
@@ -240,8 +152,8 @@ def _scale_summary(data: TraceData) -> dict:
     lo, hi = min(values), max(values)
     return {
         "used": True, "initial": values[0], "final": values[-1], "min": lo, "max": hi,
-        "initial_log2": _log2(values[0]), "final_log2": _log2(values[-1]),
-        "min_log2": _log2(lo), "max_log2": _log2(hi),
+        "initial_log2": log2(values[0]), "final_log2": log2(values[-1]),
+        "min_log2": log2(lo), "max_log2": log2(hi),
         "min_step": next(st for st, s in scales if s == lo),
         "backoffs": backoffs, "growths": growths,
     }
@@ -302,14 +214,13 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     """The summary dict of a run. ``findings`` (from ``ampaudit check --format json``) lets the
     recommendations name the check findings the run confirmed. ``top`` bounds the module tables."""
     from ampaudit.policy import divergence_thresholds
-    from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, first_jump, rank_by_verdict
-    from ampaudit.report.trace_advice import recommend  # advice reads the summary built here
     from ampaudit.report.grad_hist import grad_hist_summary
     from ampaudit.report.trace_decisions import decision_summary
+    from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, first_jump, rank_by_verdict
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
-    from ampaudit.report.trace_swamping import swamping_summary
     from ampaudit.report.trace_precursors import precursor_summary
+    from ampaudit.report.trace_swamping import swamping_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -357,6 +268,26 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     # Advice looks at every module, not only the top rows shown.
     summary["recommendations"] = recommend(summary, data, culprits=found, all_headroom=headroom, findings=findings)
     return jsonable(summary)
+
+
+def recommend(summary: dict, data: TraceData, *, culprits: list, all_headroom: list[dict],
+              findings: list[dict] | None = None) -> list[dict]:
+    """The recommendations of a summary (:mod:`ampaudit.report.trace_advice` lists the kinds), most severe first:
+    the run-wide ones, then each kind's reader's."""
+    from ampaudit.report.grad_hist import grad_hist_advice
+    from ampaudit.report.trace_advice import run_advice
+    from ampaudit.report.trace_decisions import decision_advice, decision_evidence
+    from ampaudit.report.trace_eval import eval_advice
+    from ampaudit.report.trace_precursors import precursor_advice
+    from ampaudit.report.trace_swamping import swamping_advice
+
+    # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
+    recs = run_advice(summary, data, culprits=culprits, all_headroom=all_headroom, findings=findings,
+                      extra_evidence=decision_evidence(summary))
+    recs += [grad_hist_advice(summary), eval_advice(summary), swamping_advice(summary), decision_advice(summary),
+             *precursor_advice(summary)]
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])
 
 
 def summarize_trace(path: str | os.PathLike, *, top: int = 5, findings: list[dict] | None = None) -> dict:

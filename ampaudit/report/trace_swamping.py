@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampaudit.report.trace_summary import finite
+from ampaudit.report.trace_data import finite, fmt
 
 # Preflight checks about training state that changes (ampaudit.train.preflight_state.STATE_CHECKS, written here
 # so report does not import the trainer); the others are the distributed run's, reported by the trainer itself.
@@ -63,8 +63,6 @@ def swamping_summary(data: Any) -> dict:
 
 
 def _pct(x: float | None) -> str:
-    from ampaudit.report.trace_console import fmt  # it imports rich, which the summary needs only here
-
     return fmt(x, ".0%", none="?")
 
 

@@ -46,7 +46,8 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.runtime.grads import from_flags, is_sharded, local, nonfinite_grads
-from ampaudit.runtime.trace import TRACE_VERSION, TraceWriter, read_trace
+from ampaudit.runtime.trace import TraceWriter, read_trace
+from ampaudit.runtime.trace_schema import meta as trace_meta
 
 if TYPE_CHECKING:
     from ampaudit.runtime.fp8_stats import Fp8Stats
@@ -173,15 +174,8 @@ class WatchSession:
         # FSDP: rank 0's shards give no global gradient norm, and name only the inf/NaN they hold (end_step).
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._first_step = None
-        if integration is not None:
-            first = self._params[0][1] if self._params else None
-            meta = {"integration": integration, "dtype": name_of(dtype),
-                    "device": first.device.type if first is not None else "cpu", "model": type(model).__name__,
-                    "every": self.every, "divergence_every": self.divergence_every, **(meta or {})}
         if not append:
-            record = {"version": TRACE_VERSION, "source": source, **(meta or {}), **fields}
-            record.update(version=TRACE_VERSION, source=source)   # the contract's keys, whatever meta holds
-            self.writer.write("meta", step=step, **record)
+            self.writer.write_record(self._meta(model, dtype, integration, source, step, {**(meta or {}), **fields}))
         # Imported here: `import ampaudit.train` stays lean for library use without a trace.
         from ampaudit.runtime.watch import Watch
 
@@ -199,6 +193,15 @@ class WatchSession:
                                        skip=lambda: self.watch is not None and self.watch.replaying)
             self._model = model
             self.measure_updates()
+
+    def _meta(self, model: nn.Module, dtype: torch.dtype, integration: str | None, source: str, step: int | None,
+              given: dict[str, Any]) -> dict:
+        first = self._params[0][1] if self._params else None
+        run = {"dtype": name_of(dtype), "device": first.device.type if first is not None else "cpu",
+               "model": type(model).__name__}
+        if integration is not None:     # a callback's run: the session's own settings describe it too
+            run.update(integration=integration, every=self.every, divergence_every=self.divergence_every)
+        return trace_meta(source, step=step, **{**run, **given})
 
     def measure_updates(self, *, optimizer: torch.optim.Optimizer | None = None,
                         mastered: list[torch.Tensor] | tuple = (), names: dict[int, str] | None = None) -> None:

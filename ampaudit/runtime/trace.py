@@ -4,62 +4,13 @@ Written by ``ampaudit.watch`` and ``ampaudit train --trace``, read by ``ampaudit
 line so a killed run leaves a readable file; the reader tolerates a truncated or corrupt line and says which.
 
     with TraceWriter("run.jsonl") as tw:
-        tw.write("step", step=1, loss=0.7, scale=65536.0, skipped=False)
+        tw.write("step", step=1, loss=0.7, scale=65536.0, skipped=False, grad_norm=1.2, clipped=False, lr=1e-3,
+                 time=0.05)
     events, problems = read_trace("run.jsonl")
 
-Event kinds (version 1): ``meta`` (first line: version, tool, dtype, device, ...), ``step`` (loss, scale, skipped,
-grad_norm, clipped, lr, time), ``stats`` (module, phase, absmax, min_nonzero, inf, nan, zeros, subnormal,
-headroom_bits), ``nonfinite`` (phase forward|backward, module, op, source), ``divergence`` (module, metrics vs
-FP32), ``skip`` (step skipped by the loss scaler: modules/params with non-finite grads), ``checkpoint``, ``halt``,
-and for torchao Float8Linear layers (``ampaudit.runtime.fp8_stats``) ``fp8`` (module; input, weight, grad_output:
-amax, scale, flushed_share, clipped_share) and ``fp8_budget`` (module, role, flushed_share, max_flushed_share,
-fallback). Version 2 adds ``grad_hist`` (module, phase backward, lo, counts, zeros, nonfinite, numel, passes,
-scale: ``counts[i]`` gradient values with ``floor(log2|g|) == lo + i`` as measured, at loss scale ``scale``, None
-when unknown; see :mod:`ampaudit.runtime.grad_hist`), ``eval`` (the trainer's evaluation,
-:mod:`ampaudit.train.evaluate`: dtype, batches, samples, time, ``loss`` and ``metrics: {name: ...}``, each
-``{"autocast", "fp32", "gap", "noise"}``: gap = autocast - fp32, noise = the standard error of the FP32 value over
-the eval batches or null), ``preflight`` (the trainer's checks: ``checks: [{name, status, message, hint}]``) and,
-in the trainer's ``meta``, ``lr_policy`` (warmup_steps, scale, base_batch, micro_batch, effective_batch, factor),
-``fsdp`` and ``compile``. A version-1 trace is a version-2 trace without them, so readers take both; a reader of
-version 1 skips the new kinds as unknown. New kinds are additive: a reader skips kinds it does not know.
-
-Version 3 adds ``swamping`` (:mod:`ampaudit.runtime.swamping`): on a step the statistics sample, one event per
-tensor stored in fp16/bf16/fp8 without an FP32 master whose in-place updates (optimizer step, an EMA / momentum
-teacher, a buffer the forward updates, bf16 optimizer state) rounded away: ``tensor`` (its name: a parameter,
-buffer, or ``<param>.<state key>``), ``module``, ``kind`` (param | buffer | optimizer_state), ``dtype``,
-``share_rounded`` (of the elements whose FP32 update was nonzero, the share whose stored value did not move),
-``realized_ratio`` (norm of the stored delta / norm of the FP32 delta over the step), ``elements`` (elements FP32
-would have moved), ``numel``, ``update_rel`` (median |FP32 update| / |value|, null when unknown), ``half_ulp_rel``
-(half an ulp of the dtype, relative), ``why`` and ``fix`` (words). Written only past the ``[swamping]`` lines of
-rules/policy/settings.toml.
-
-Version 3 also adds ``decision``, written with the ``divergence`` events of a
-check (:mod:`ampaudit.runtime.decision_record`): one per decision site (an argmax/argmin/max(dim)/topk/sort, a
-comparison, a round/floor, a bucketize or multinomial on floating values) with module (whose own forward runs the
-op), op (aten name, e.g. "topk"), source ("file:line"), kind (index | topk | sort | compare | round | bucket |
-sample), decisions (how many were compared: rows for index and topk, elements otherwise, at most 65536 per call of
-the elementwise kinds), flipped (how many differ from the FP32 run's, FP32 ties left out), share_flipped, used
-(whether the forward reads the result) and calls.
-
-Version 3 also adds ``precursor`` (instability precursors, written by the
-watch on its sampled passes, one event per signal, module and interval, like ``stats``;
-:mod:`ampaudit.runtime.precursors`): ``signal`` (``attn_logit``: the largest pre-softmax attention logit of the
-module whose own code calls softmax or scaled_dot_product_attention; ``output_logit``: the max |logit| of the
-model's output, module ""; ``output_lse``: its mean log-sum-exp; ``massive_activation``: the module's |output| max
-over its median |x|, with ``absmax``, ``median`` and ``min_abs``; ``value`` None when the median is 0), ``module``,
-``value`` (the interval's largest), ``threshold`` (the warning line of rules/policy/precursors.toml when written),
-and for the logit signals ``max_step`` (the sampled step the value was seen at), ``crossed_step`` (the first sampled
-step at or past ``threshold``, None if none) and ``passes``.
-
-Version 3 also adds ``divergence`` events of scope ``local`` for composite modules and the root (no new field): a
-module's own error at every depth, a composite's measured with the submodules it calls computed in FP32 (see
-:mod:`ampaudit.runtime.divergence`), on the checks ``composite_divergence_every`` picks. A version-2 trace holds
-``local`` events for leaf modules only, with the same meaning; the report judges both the same way
-(:mod:`ampaudit.runtime.attribution`), so in a version-2 trace no composite can be named. A ``local`` event may
-carry ``input_rel_l2`` (what rounding its inputs, a composite's children's outputs included, to their real dtypes
-lost) and ``output_rel_l2`` (what storing its exact answer in its output dtype loses); an own error these explain
-is not judged. Traces without them are judged without that excuse. Besides these, a version-2 trace
-is a version-3 trace without the three new kinds.
+The contract (event kinds, their fields, versions 1-3 and how readers take older traces) is docs/trace.md; the
+kinds and fields are :data:`ampaudit.runtime.trace_schema.KINDS`, whose constructor builds every event of a
+known kind written here. A kind the schema does not know (a caller's own, on a shared writer) is written as given.
 """
 from __future__ import annotations
 
@@ -70,9 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ampaudit.errors import TraceError
-
-# Also the newest version ampaudit report reads (it reads 1 and 2 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 3
+from ampaudit.runtime.trace_schema import KINDS, TRACE_VERSION, event as make_event
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
 BULK_EVENTS = frozenset({"stats", "grad_hist", "precursor"})
 
@@ -89,6 +38,13 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):  # 0-d tensors and numpy scalars
         return jsonable(value.item())
     return value
+
+
+def record(event: str, step: int | None, fields: dict[str, Any]) -> dict:
+    """The event dict: a known kind from its schema constructor, any other kind as given."""
+    if event in KINDS:
+        return make_event(event, step, **fields)
+    return {"event": event, "step": step, **fields}
 
 
 class TraceWriter:
@@ -108,7 +64,12 @@ class TraceWriter:
             self._owns = True
 
     def write(self, event: str, step: int | None = None, **fields: Any) -> None:
-        record = {"event": event, "step": step, **fields}
+        """Write one event; a kind of :data:`~ampaudit.runtime.trace_schema.KINDS` is built (and checked) by its
+        constructor: a field it does not define is a ``TypeError``."""
+        self.write_record(record(event, step, fields))
+
+    def write_record(self, record: dict) -> None:
+        """Write ``record`` as it is (an event already built, or one a test makes malformed on purpose)."""
         self._fh.write(json.dumps(jsonable(record), separators=(",", ":")) + "\n")
         self._fh.flush()
 
@@ -148,11 +109,14 @@ class EventLog:
         return self.writer is None or self.owns_writer
 
     def emit(self, event: str, step: int | None, **fields: Any) -> None:
-        record = {"event": event, "step": step, **fields}
-        if self.writer is None or event not in BULK_EVENTS:
-            self.events.append(record)
+        self.emit_record(record(event, step, fields))
+
+    def emit_record(self, built: dict) -> None:
+        """Keep and write an event already built (:func:`ampaudit.runtime.trace_schema.meta`)."""
+        if self.writer is None or built["event"] not in BULK_EVENTS:
+            self.events.append(built)
         if self.writer is not None:
-            self.writer.write(event, step=step, **fields)
+            self.writer.write_record(built)
 
     def close(self) -> None:
         if self.writer is not None and self.owns_writer:

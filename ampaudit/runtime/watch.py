@@ -46,7 +46,8 @@ from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule, check_every
 from ampaudit.runtime.stats import StatsAccumulator
-from ampaudit.runtime.trace import TRACE_VERSION, EventLog, TraceWriter
+from ampaudit.runtime.trace import EventLog, TraceWriter
+from ampaudit.runtime.trace_schema import meta as trace_meta
 
 __all__ = ["NonFiniteError", "Watch", "watch"]
 
@@ -153,12 +154,11 @@ class Watch(PassHooks):
         self._handles: list[Any] = []
         self.set_hooks(True)
         if self._log.writes_meta:
-            self._emit("meta", version=TRACE_VERSION, source="watch", dtype=name_of(dtype),
-                       device=self.device_type, model=type(self.root).__name__, every=every,
-                       divergence_every=divergence_every, stats_every=stats_every,
-                       grad_divergence_every=grad_divergence_every,
-                       local_divergence_every=local_divergence_every,
-                       composite_divergence_every=composite_divergence_every)
+            self._log.emit_record(trace_meta(
+                "watch", dtype=name_of(dtype), device=self.device_type, model=type(self.root).__name__,
+                every=every, divergence_every=divergence_every, stats_every=stats_every,
+                grad_divergence_every=grad_divergence_every, local_divergence_every=local_divergence_every,
+                composite_divergence_every=composite_divergence_every))
 
     # --- public loop integration ---------------------------------------------------------------------
     def set_hooks(self, on: bool) -> None:
@@ -265,7 +265,7 @@ class Watch(PassHooks):
         return [e for e in self.events if e["event"] == "divergence"]
 
     def _emit(self, event: str, step: int | None = None, **fields: Any) -> None:
-        self._log.emit(event, self.step if step is None and event != "meta" else step, **fields)
+        self._log.emit(event, self.step if step is None else step, **fields)
 
 
 watch = Watch
