@@ -44,16 +44,23 @@ _FP4_MAX, _FP4_TINY = 6.0, 1.0      # e2m1: largest value, smallest normal (0.5 
 
 
 def _mx_modules():
-    fp8.import_torchao()            # torchao's CPU-build chatter dropped once
-    from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    import contextlib
+
+    from ampaudit.quiet import debug
+
+    fp8.import_torchao()
+    # Their import registers enums with torch's pytree, which logs a deprecation: dropped as fp8's import does.
+    with contextlib.nullcontext() if debug() else fp8._import_chatter_dropped():
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     return _to_mxfp8_then_scaled_mm, ScaleCalculationMode, KernelPreference
 
 
 def _nvfp4_dq(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-D, blocks along its last dim) through torchao's NVFP4Tensor and back, in fp32."""
+    _mx_modules()
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
     t = t.float().contiguous()
@@ -157,6 +164,7 @@ def block_stats(t: torch.Tensor, dq: torch.Tensor, decode: torch.Tensor, *, fmt_
 
 def _mx_cast(r: Recipe, t: torch.Tensor) -> dict[str, float]:
     t = t.float().contiguous()
+    _, mode, _ = _mx_modules()
     if r.torchao == "nvfp4":
         from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
@@ -164,7 +172,6 @@ def _mx_cast(r: Recipe, t: torch.Tensor) -> dict[str, float]:
         q = NVFP4Tensor.to_nvfp4(t, per_tensor_scale=tensor_scale)
         decode = (q.scale.float() * tensor_scale).repeat_interleave(r.block, dim=-1)
         return block_stats(t, q.dequantize(torch.float32), decode, fmt_max=_FP4_MAX, fmt_tiny=_FP4_TINY)
-    _, mode, _ = _mx_modules()
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
     q = MXTensor.to_mx(t, torch.float8_e4m3fn, r.block, mode.RCEIL)

@@ -60,14 +60,14 @@ def _misaligned(measure, r: Recipe) -> dict[str, int]:
             if getattr(measure, dim) % multiple}
 
 
-def _flushes(stats: dict, cap: float, hp_grad_weight: bool) -> list[str]:
+def _flushes(stats: dict, cap: float, hp_grad_weight: bool, name: str) -> list[str]:
     out = []
     for cast in ("input", "grad_output", "input_for_grad_weight", "grad_output_for_grad_weight"):
         if hp_grad_weight and cast.endswith("_for_grad_weight"):
             continue
         share = (stats.get(cast) or {}).get("flushed_share")
         if isinstance(share, (int, float)) and share > cap:
-            out.append(f"{share:.0%} of the nonzero {cast.replace('_', ' ')} values flush to 0 (over {cap:.0%}; "
+            out.append(f"{share:.0%} of the nonzero {cast.replace('_', ' ')} values flush to 0 in {name} (over {cap:.0%}; "
                        "the SQNR does not show values this small)")
     return out
 
@@ -103,7 +103,7 @@ def judge(measure, name: str, budget: Budget, *, pad: bool = False, hp_grad_weig
         if not db >= floor:
             v.failures.append(f"{role.replace('_', ' ')} {what} {db:.1f} dB < {floor:g} dB budget")
     cap = float(settings()["plan"]["max_flushed_share"])
-    v.failures += _flushes(measure.metrics[name].get("stats") or {}, cap, hp_grad_weight)
+    v.failures += _flushes(measure.metrics[name].get("stats") or {}, cap, hp_grad_weight, name)
     if hp_grad_weight:
         v.gemms = {"output": name, "grad_input": name, "grad_weight": "bfloat16"}
     return v

@@ -1,5 +1,5 @@
 """The plan as a terminal table: what matters first (layers kept in fp32 or bf16 and why, then low-precision layers
-by speedup), with each recipe's forward / dgrad / wgrad SQNR side by side.
+by speedup), with each recipe's worst-GEMM SQNR side by side.
 
     render_plan(plan, console)        # plan: ampaudit.planning.api.Plan; console: rich Console
 """
@@ -11,6 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from ampaudit.planning.recipes import recipe
 
 _ORDER = {"float32": 0, "bfloat16": 1}
 _STYLE = {"float32": "red", "bfloat16": "yellow"}
@@ -41,7 +43,8 @@ def _recipe_cell(layer, name: str) -> str:
     entry = layer.metrics.get(name, {})
     if "unsupported" in entry:
         return "n/a"
-    cell = "/".join(_sqnr(layer, name, r) for r in ("output", "grad_input", "grad_weight"))
+    values = [entry.get(r, {}).get("sqnr_db") for r in ("output", "grad_input", "grad_weight") if r in entry]
+    cell = _db(min(values)) if values else "-"
     return f"[bold]{cell}[/bold]" if name == layer.choice else cell
 
 
@@ -51,16 +54,19 @@ _WHY_MIN = 24
 
 
 def _title(plan) -> str:
-    budgets = plan.to_dict()["budgets"]
-    shown = ", ".join(f"{n} {b['forward_db']:g}/{b['backward_db']:g}" for n, b in budgets.items())
-    return f"ampaudit plan [speed model {plan.speed_model}; budget dB forward/backward: {shown}]"
+    groups: dict[str, list[str]] = {}
+    for name, b in plan.to_dict()["budgets"].items():
+        groups.setdefault(f"{b['forward_db']:g}/{b['backward_db']:g}", []).append(recipe(name).torchao)
+    shown = "; ".join(f"{' '.join(names)} {value}" for value, names in groups.items())
+    return f"ampaudit plan [speed model {plan.speed_model}; budget dB fwd/bwd: {shown}]"
 
 
 def _table(plan, *, why: bool) -> Table:
     table = Table(title=escape(_title(plan)), title_justify="left", show_lines=False, box=box.SIMPLE_HEAD)
     # fold: a number or a name too wide for its column goes on the next line instead of ending in an ellipsis
-    columns = [("module", {"max_width": 28}), ("in→out × M", {}), ("choice", {}), ("torchao", {})]
-    columns += [(f"{name}\nout/dx/dw dB", {"justify": "right"}) for name in plan.recipes]
+    columns = [("module", {"max_width": 28}), ("in→out × M", {}), ("choice", {"min_width": 8}), ("torchao", {"min_width": 7})]
+    # One column per recipe: its worst GEMM's SQNR (each GEMM's is in the JSON and the reasons).
+    columns += [(recipe(name).torchao.replace("_", "\n") + "\ndB", {"justify": "right"}) for name in plan.recipes]
     columns += [("model\ngrads dB", {"justify": "right"}), ("speed", {"justify": "right"})]
     if why:
         columns.append(("why", {"ratio": 1, "min_width": _WHY_MIN, "overflow": "ellipsis"}))
