@@ -129,7 +129,11 @@ def _torchao_choices(model: nn.Module, names: list[str], layers: list[LayerPlan]
         if which is None or (layer.choice in recipe_names() and layer.choice not in float8):
             out[layer.module] = None
             continue
-        filt = import_torchao()._auto_filter_for_recipe(recipe_row(which).torchao, filter_fqns=[])
+        try:
+            filt = import_torchao()._auto_filter_for_recipe(recipe_row(which).torchao, filter_fqns=[])
+        except NotImplementedError:          # torchao 0.18's filter knows tensorwise and rowwise only
+            out[layer.module] = None
+            continue
         out[layer.module] = bool(filt(modules[layer.module], layer.module))
     return out
 
