@@ -81,7 +81,7 @@ class LayerMeasure:
     ``stats[cast]`` = :func:`ampaudit.planning.fp8.cast_stats` of input, weight and grad_output as the recipe
     casts them for float8 (empty when float8 is not measured). A recipe name in ``dtypes`` (rules/policy/recipes.toml,
     emulated as :mod:`ampaudit.planning.emulate` says) is measured the same way, under its own name, with its cast
-    statistics in ``metrics[recipe]["stats"]``; ``unsupported[recipe]`` says why one could not run the layer."""
+    statistics (of the first batch's calls) in ``metrics[recipe]["stats"]``; ``unsupported[recipe]`` says why one could not run the layer."""
 
     module: str
     in_features: int
@@ -198,11 +198,13 @@ def _cast_stats(cfg: Any, x: torch.Tensor, weight: torch.Tensor, grad_output: to
 
 
 def _measure_recipe(lin: nn.Linear, r: Recipe, x: torch.Tensor, grad_output: torch.Tensor | None,
-                    ref: dict[str, torch.Tensor]) -> dict:
+                    ref: dict[str, torch.Tensor], with_stats: bool) -> dict:
     from ampaudit.planning import emulate
 
     got = _run(emulate.recipe_linear(_detached_linear(lin), r), x, grad_output)
     out: dict = {role: error_metrics(ref[role], got[role]) for role in ROLES if role in ref}
+    if not with_stats:
+        return out
     if r.family == "float8":
         out["stats"] = _cast_stats(fp8.config(r.torchao), x, lin.weight, grad_output)
     else:
@@ -211,7 +213,8 @@ def _measure_recipe(lin: nn.Linear, r: Recipe, x: torch.Tensor, grad_output: tor
 
 
 def measure_call(lin: nn.Linear, x: torch.Tensor, grad_output: torch.Tensor | None, *,
-                 dtypes: Sequence[str] = tuple(DTYPES), config: Any = None) -> tuple[dict, dict]:
+                 dtypes: Sequence[str] = tuple(DTYPES), config: Any = None,
+                 recipe_stats: bool = True) -> tuple[dict, dict]:
     """``(metrics, stats)`` of one call of ``lin`` on FP32 input ``x`` with FP32 ``grad_output`` (None: forward
     only); ``config``: torchao's Float8LinearConfig, needed when "float8" is in ``dtypes``."""
     plain = _detached_linear(lin)
@@ -221,7 +224,7 @@ def measure_call(lin: nn.Linear, x: torch.Tensor, grad_output: torch.Tensor | No
     metrics: dict[str, dict] = {}
     for name in dtypes:
         if name in recipe_names():
-            metrics[name] = _measure_recipe(lin, recipe(name), x, grad_output, ref)
+            metrics[name] = _measure_recipe(lin, recipe(name), x, grad_output, ref, recipe_stats)
             continue
         if name == "float8":
             float8 = fp8.import_torchao()
@@ -361,8 +364,10 @@ def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = 
                     ran.add(name)
                     m = results[name]
                     m.tokens = max(m.tokens, x.numel() // max(lin.in_features, 1))
+                    # A recipe's cast statistics come from the first batch: they cost more than its run
+                    # (BENCHMARKS.md, "Recipes": planning time), and say why; the SQNR over every batch decides.
                     metrics, stats = measure_call(lin, x, grad_output, dtypes=_runnable(m, lin, x, dtypes),
-                                                  config=config)
+                                                  config=config, recipe_stats=count == 1)
                     _keep_worst(m.metrics, metrics)
                     _keep_worst(m.stats, stats)
     if not count:
