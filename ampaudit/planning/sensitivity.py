@@ -62,6 +62,10 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
     ref = _grads(model, params, batch, loss_fn, rng)
     out: dict[str, dict[str, float]] = {}
     for name in names:
+        if not name:                 # the model is the Linear itself: run its swapped form as the model
+            sqnr = error_metrics(ref, _grads(swapped(name, model), params, batch, loss_fn, rng))["sqnr_db"]
+            out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         original = getattr(parent, attr)
