@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ampaudit.planning.recipes import recipe
+from ampaudit.planning.recipes import recipe, recipe_names
 
 _ORDER = {"float32": 0, "bfloat16": 1}
 _STYLE = {"float32": "red", "bfloat16": "yellow"}
@@ -54,9 +54,12 @@ _WHY_MIN = 24
 
 
 def _title(plan) -> str:
+    from ampaudit.planning.pick import recipe_budget_of
+
     groups: dict[str, list[str]] = {}
-    for name, b in plan.to_dict()["budgets"].items():
-        groups.setdefault(f"{b['forward_db']:g}/{b['backward_db']:g}", []).append(recipe(name).torchao)
+    for name in plan.recipes:
+        b = recipe_budget_of(name, plan.budget)
+        groups.setdefault(f"{b.forward_db:g}/{b.backward_db:g}", []).append(recipe(name).torchao)
     shown = "; ".join(f"{' '.join(names)} {value}" for value, names in groups.items())
     return f"ampaudit plan [speed model {plan.speed_model}; budget dB fwd/bwd: {shown}]"
 
@@ -72,7 +75,7 @@ def _table(plan, *, why: bool) -> Table:
         columns.append(("why", {"ratio": 1, "min_width": _WHY_MIN, "overflow": "ellipsis"}))
     for col, kw in columns:
         table.add_column(col, **({"overflow": "fold"} | kw))
-    low = plan.low_precision_modules()
+    low = {layer.module for layer in plan.layers if layer.choice in recipe_names()}
     for layer in sorted(plan.layers, key=sort_key):
         theirs = "-" if layer.torchao is None else ("fp8" if layer.torchao else "skip")
         if layer.torchao is not None and layer.torchao != (layer.module in low):
