@@ -177,6 +177,13 @@ def _plan_for(model: nn.Module, batches: list, names: tuple[str, ...], *, loss_f
             layer.metrics.setdefault(layer.choice, {})["model_grads"] = spread[layer.module]
     notes = [NOTES[n] for n in names if n in NOTES]
     if speed_model != "off":
+        from ampaudit.planning.speed import load_gpus
+
+        cc = float(load_gpus()[speed_model]["compute_capability"])
+        foreign = [n for n in names if n not in native_recipes(cc)]
+        if foreign:
+            notes.append(f"{speed_model} (compute capability {cc:g}) has no native kernels for {', '.join(foreign)}: "
+                         "a plan choosing them is for a GPU that has them")
         unknown = [n for n in names if all(not (s or {}).get(n) for s in speeds.values())]
         if unknown and measures:
             notes.append(f"speed model {speed_model} has no numbers for {', '.join(unknown)}: "
