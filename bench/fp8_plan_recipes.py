@@ -84,8 +84,8 @@ def _e2m1(v: torch.Tensor) -> torch.Tensor:
     best = dist.min(dim=-1, keepdim=True).values
     ties = (dist - best).abs() < 1e-12
     codes = torch.arange(8, dtype=torch.float64)
-    even = torch.where(ties, torch.where(codes % 2 == 0, codes, codes + 0.5), torch.full_like(dist, 99.0))
-    return torch.sign(v) * FP4[even.argmin(dim=-1)]
+    odd_last = torch.where(ties, codes % 2, torch.full_like(dist, 99.0))    # of the nearest, the even code
+    return torch.sign(v) * FP4[odd_last.argmin(dim=-1)]
 
 
 def nvfp4(t):
