@@ -22,7 +22,7 @@ def plan(
     dtype: Annotated[str, typer.Option(help="The precision to plan for: float8 (any low-precision recipe).")] = "float8",
     recipes: Annotated[Optional[str], typer.Option(help="Recipes to measure and choose among, comma-separated, full or short names (tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, nvfp4; rules/policy/recipes.toml) [default: those the --speed-model GPU runs natively].", show_default=False)] = None,
     recipe: Annotated[Optional[str], typer.Option(help="One torchao float8 recipe (tensorwise, rowwise; auto: both), as --recipes with one name.", show_default=False)] = None,
-    budget: Annotated[Optional[float], typer.Option(help="Minimum forward SQNR in dB against FP32 for the float8 recipes [default: rules/policy/settings.toml; mxfp8 and nvfp4: recipes.toml [budget.*]].")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="Minimum forward SQNR in dB against FP32 for the float8 recipes [default: rules/policy/settings.toml; mxfp8 and nvfp4 keep theirs, recipes.toml [budget.*]].")] = None,
     budget_backward: Annotated[Optional[float], typer.Option(help="Minimum SQNR in dB of the input and weight gradients.")] = None,
     speed_model: Annotated[str, typer.Option(help="GPU whose roofline predicts each GEMM in bf16 and each recipe (h100, h200, b200, or off); it also sets the default --recipes.")] = "h100",
     tokens: Annotated[Optional[int], typer.Option(help="Rows (batch x sequence) of every GEMM for the speed model, instead of the calibration batches'.")] = None,
