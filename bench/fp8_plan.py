@@ -13,7 +13,7 @@ Three models, each trained side by side in one run, same initial weights and sam
 - ``fp8-all``: torchao's ``convert_to_float8_training`` with no ``module_filter_fn``, i.e. *every* nn.Linear,
   misaligned ones included (which a GPU's ``torch._scaled_mm`` would refuse; the emulation runs them), then
   bf16 autocast for the rest;
-- ``plan``: ``ampaudit.plan(..., speed_model="off")`` (accuracy alone decides) applied with ``apply_plan``.
+- ``plan``: ``ampaudit.plan(..., speed_model="off")`` (accuracy alone decides), its layers converted as it says.
 
 The models: ``samples/char_transformer.py`` (its model, train_data and loss_fn) and a Llama-style decoder from
 ``bench/llama_meta.py`` (RMSNorm, rotary, grouped-query attention, SwiGLU; all dims multiples of 16) trained on
@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ampaudit  # noqa: E402
-from ampaudit.planning.apply import apply_plan  # noqa: E402
+from ampaudit.planning.recipes import HIGH_PRECISION  # noqa: E402
+from ampaudit.rewrite.keep_fp32 import keep_fp32  # noqa: E402
 from ampaudit.planning.choose import misaligned_dims  # noqa: E402
 from ampaudit.planning.fp8 import config, import_torchao  # noqa: E402
 from llama_meta import build_llama  # noqa: E402
@@ -129,7 +130,13 @@ def convert(model: nn.Module, variant: str, plan_dict: dict, recipe: str) -> nn.
     if variant == "fp8-all":
         import_torchao().convert_to_float8_training(model, config=config(recipe))   # no filter: every Linear
     elif variant == "plan":
-        apply_plan(model, plan_dict, device="cpu")
+        # The plan measured one float8 recipe: its layers in that recipe, the same conversion train --plan makes.
+        wanted = {layer["module"] for layer in plan_dict["layers"] if layer["choice"] not in HIGH_PRECISION}
+        import_torchao().convert_to_float8_training(model, config=config(recipe),
+                                                    module_filter_fn=lambda mod, fqn: fqn in wanted)
+        fp32 = [layer["module"] for layer in plan_dict["layers"] if layer["choice"] == "float32"]
+        if fp32:
+            keep_fp32(model, fp32)
     return model
 
 
@@ -148,7 +155,7 @@ def calibration_batches(work: Workload, seed: int, count: int) -> list[tuple]:
 
 def _choices(plan) -> str:
     s = plan.summary()
-    text = f"{s['float8']} float8, {s['bfloat16']} bfloat16, {s['float32']} float32"
+    text = f"{s['low_precision']} float8, {s['bfloat16']} bfloat16, {s['float32']} float32"
     if s.get("predicted_linear_speedup"):
         text += f"; predicted Linear GEMM speedup {s['predicted_linear_speedup']:.2f}x over bf16"
     return text
@@ -176,7 +183,7 @@ def bench_model(work: Workload, args: argparse.Namespace) -> dict:
     plan_dict = plan_off.to_dict()
     fp8 = plan_off.float8_modules()
     print(f"  plan (speed_model=off, {len(batches)} batches, {plan_s:.1f} s in-process): {_choices(plan_off)}")
-    not_fp8 = {layer.module: "; ".join(layer.reasons) for layer in plan_off.layers if layer.choice != "float8"}
+    not_fp8 = {layer.module: "; ".join(layer.reasons) for layer in plan_off.layers if layer.choice in HIGH_PRECISION}
     for name, why in not_fp8.items():
         print(f"    not float8: {name}: {why}")
     plan_gpu = ampaudit.plan(work.build(args.seeds[0]), batches, recipe=args.recipe, loss_fn=ct.loss_fn,

@@ -72,14 +72,18 @@ def test_piped_output_follows_columns(monkeypatch):
 
 
 def _plan():
+    from ampaudit.planning.choose import Budget
+
     reasons = ["out_features 58 not a multiple of 16 (--pad pads it without changing results); predicted 1.68x "
                "slower in fp8 (memory-bound at 1024 tokens)"]
-    metrics = {"float8": {"output": {"sqnr_db": 28.81}, "grad_input": {"sqnr_db": 29.61},
+    metrics = {"float8_tensorwise": {"output": {"sqnr_db": 28.81}, "grad_input": {"sqnr_db": 29.61},
                           "grad_weight": {"sqnr_db": 33.41}, "model_grads": {"sqnr_db": 32.0}}}
     layers = [NS(module=f"blocks.{i}.attention.output_projection", in_features=64, out_features=58, tokens=1024,
-                 choice="bfloat16", torchao=False, speedup=0.6, reasons=reasons, metrics=metrics) for i in range(2)]
-    summary = {"layers": 2, "float8": 0, "bfloat16": 2, "float32": 0, "torchao_filter_differs": 0}
-    return NS(recipe="tensorwise", speed_model="h100", budget=NS(forward_db=20, backward_db=15), layers=layers,
+                 choice="bfloat16", torchao=False, speedup=0.6, reasons=reasons, metrics=metrics, gemms=None)
+              for i in range(2)]
+    summary = {"layers": 2, "low_precision": 0, "float8_tensorwise": 0, "bfloat16": 2, "float32": 0,
+               "torchao_filter_differs": 0}
+    return NS(recipes=("float8_tensorwise",), speed_model="h100", budget=Budget(20, 15), layers=layers,
               notes=[], summary=lambda: summary), reasons[0]
 
 

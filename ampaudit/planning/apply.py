@@ -37,8 +37,8 @@ def load_plan(path: str | Path) -> dict:
         raise InputError(f"plan file not found: {p}", hint="write one with ampaudit plan model.py -o plan.json")
     except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{p} is not a readable plan ({type(exc).__name__})", hint=_HINT) from exc
-    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("layers"), list):
-        raise InputError(f"{p} is not an ampaudit plan (version 1)", hint=_HINT)
+    if not isinstance(data, dict) or data.get("version") not in (1, 2) or not isinstance(data.get("layers"), list):
+        raise InputError(f"{p} is not an ampaudit plan (version 1 or 2)", hint=_HINT)
     return data
 
 

@@ -56,6 +56,8 @@ class LayerPlan:
     float8_if_padded: dict | None = None
     torchao: bool | None = None           # what torchao's own filter would choose (True: float8)
     speed: dict | None = None             # speed.linear_times: predicted seconds in bf16 and fp8
+    gemms: dict | None = None             # {"output": .., "grad_input": .., "grad_weight": ..} where they differ
+    speed_bf16: float | None = None       # predicted bf16 seconds of its three GEMMs (the plan's speed baseline)
 
     def to_dict(self) -> dict:
         from ampaudit.runtime.trace import jsonable
@@ -65,7 +67,8 @@ class LayerPlan:
                                    "tokens": self.tokens},
                          "metrics": self.metrics, "stats": self.stats, "speedup": self.speedup,
                          "padded": self.padded, "float8_if_padded": self.float8_if_padded,
-                         "torchao_filter": self.torchao})
+                         "torchao_filter": self.torchao}
+                        | ({"gemms": self.gemms} if self.gemms else {}))
 
 
 def _sqnr(metrics: dict, dtype: str, role: str) -> tuple[float, str]:

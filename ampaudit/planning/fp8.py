@@ -14,6 +14,8 @@ What torchao 0.18 does per recipe (``Float8LinearConfig.from_recipe_name``):
   grad_output; scales rounded down to a power of two. Each operand is cast once per GEMM it feeds, along that
   GEMM's reduction dim: input along K for the output and along M (tokens) for grad_weight, grad_output along N
   for grad_input and along M for grad_weight.
+- ``rowwise_with_gw_hp``: rowwise for the output and grad_input GEMMs (the weight tensorwise for grad_input), and
+  the grad_weight GEMM left in high precision (its casts disabled).
 
 The statistics say *why* a layer loses accuracy in float8: one outlier sets the scale of every value that
 shares it, and the rest land in the subnormals or flush to zero (LLM activations with a few huge features).
@@ -34,7 +36,7 @@ from ampaudit.quiet import debug
 
 __all__ = ["RECIPES", "cast_stats", "config", "import_torchao"]
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 GRANULARITIES = ("tensorwise", "axiswise")
 
 # What importing torchao prints on a CPU build, by logger: its CUDA extensions that cannot load here, and

@@ -37,6 +37,7 @@ from ampaudit.analysis.calibrate import batch_loss
 from ampaudit.errors import AmpAuditError, InputError, UsageError
 from ampaudit.notes import note
 from ampaudit.planning import fp8
+from ampaudit.planning.recipes import Recipe, recipe, recipe_names
 from ampaudit.runtime.locate import capture_rng, preserved
 from ampaudit.runtime.trace import jsonable
 from ampaudit.wrappers import unwrap
@@ -50,6 +51,7 @@ ROLES = ("output", "grad_input", "grad_weight")
 _WORST: dict[str, Callable[[float, float], float]] = {
     "sqnr_db": min, "rel_l2": max, "row_sqnr_db": min,
     "amax": max, "scale": min, "flushed_share": max, "clipped_share": max, "dynamic_range_bits": max, "subnormal_share": max,
+    "scale_range_bits": max,
 }
 
 # The float8 casts torchao makes in one Linear (float8_linear.matmul_with_hp_or_float8_args): stats key,
@@ -77,7 +79,9 @@ class LayerMeasure:
     ``metrics[dtype][role]`` = {"sqnr_db", "rel_l2"} for dtype in the ``dtypes`` measured and role in
     output, grad_input, grad_weight (the grad roles are absent when no gradient reaches the layer's output).
     ``stats[cast]`` = :func:`ampaudit.planning.fp8.cast_stats` of input, weight and grad_output as the recipe
-    casts them for float8 (empty when float8 is not measured)."""
+    casts them for float8 (empty when float8 is not measured). A recipe name in ``dtypes`` (rules/policy/recipes.toml,
+    emulated as :mod:`ampaudit.planning.emulate` says) is measured the same way, under its own name, with its cast
+    statistics (of the first batch's calls) in ``metrics[recipe]["stats"]``; ``unsupported[recipe]`` says why one could not run the layer."""
 
     module: str
     in_features: int
@@ -85,6 +89,7 @@ class LayerMeasure:
     tokens: int = 0
     metrics: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)     # recipe -> why it cannot run this layer
 
     def to_dict(self) -> dict:
         return jsonable(dataclasses.asdict(self))
@@ -192,8 +197,24 @@ def _cast_stats(cfg: Any, x: torch.Tensor, weight: torch.Tensor, grad_output: to
     return out
 
 
+def _measure_recipe(lin: nn.Linear, r: Recipe, x: torch.Tensor, grad_output: torch.Tensor | None,
+                    ref: dict[str, torch.Tensor], with_stats: bool) -> dict:
+    from ampaudit.planning import emulate
+
+    got = _run(emulate.recipe_linear(_detached_linear(lin), r), x, grad_output)
+    out: dict = {role: error_metrics(ref[role], got[role]) for role in ROLES if role in ref}
+    if not with_stats:
+        return out
+    if r.family == "float8":
+        out["stats"] = _cast_stats(fp8.config(r.torchao), x, lin.weight, grad_output)
+    else:
+        out["stats"] = emulate.quant_stats(r, x, lin.weight, grad_output)
+    return out
+
+
 def measure_call(lin: nn.Linear, x: torch.Tensor, grad_output: torch.Tensor | None, *,
-                 dtypes: Sequence[str] = tuple(DTYPES), config: Any = None) -> tuple[dict, dict]:
+                 dtypes: Sequence[str] = tuple(DTYPES), config: Any = None,
+                 recipe_stats: bool = True) -> tuple[dict, dict]:
     """``(metrics, stats)`` of one call of ``lin`` on FP32 input ``x`` with FP32 ``grad_output`` (None: forward
     only); ``config``: torchao's Float8LinearConfig, needed when "float8" is in ``dtypes``."""
     plain = _detached_linear(lin)
@@ -202,6 +223,9 @@ def measure_call(lin: nn.Linear, x: torch.Tensor, grad_output: torch.Tensor | No
     ref = _run(plain, x, grad_output)
     metrics: dict[str, dict] = {}
     for name in dtypes:
+        if name in recipe_names():
+            metrics[name] = _measure_recipe(lin, recipe(name), x, grad_output, ref, recipe_stats)
+            continue
         if name == "float8":
             float8 = fp8.import_torchao()
             got = _run(float8.convert_to_float8_training(_detached_linear(lin), config=config), x, grad_output)
@@ -282,6 +306,23 @@ def _record(root: nn.Module, linears: list[tuple[str, nn.Linear]], batch: tuple,
     return calls
 
 
+def _runnable(m: LayerMeasure, lin: nn.Linear, x: torch.Tensor, dtypes: Sequence[str]) -> tuple[str, ...]:
+    """``dtypes`` less the recipes that cannot run this call (the reason kept in ``m.unsupported``)."""
+    from ampaudit.planning import emulate
+
+    out = []
+    for name in dtypes:
+        if name in recipe_names() and name not in m.unsupported:
+            why = emulate.unsupported(recipe(name), tokens=x.numel() // max(lin.in_features, 1),
+                                      k=lin.in_features, n=lin.out_features)
+            if why:
+                m.unsupported[name] = why
+                m.metrics.pop(name, None)          # an earlier call's numbers do not stand for the layer
+        if name not in m.unsupported:
+            out.append(name)
+    return tuple(out)
+
+
 def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = "tensorwise",
                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, modules: Iterable[str] | None = None,
                    dtypes: Sequence[str] = tuple(DTYPES)) -> list[LayerMeasure]:
@@ -289,15 +330,16 @@ def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = 
     order, from ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``.
 
     The backward differentiates ``loss_fn(output, target)`` for batches with a target, else the sum of the
-    floating outputs. ``recipe``: torchao's float8 recipe (:data:`ampaudit.planning.fp8.RECIPES`); ``dtypes``: some
-    of "float8", "bfloat16", "float16". The model runs in the mode it is in; its parameters, gradients,
+    floating outputs. ``recipe``: torchao's float8 recipe (:data:`ampaudit.planning.fp8.RECIPES`) of "float8";
+    ``dtypes``: some of "float8", "bfloat16", "float16" and recipe names (rules/policy/recipes.toml). The model runs in the mode it is in; its parameters, gradients,
     buffers and the RNG are as before afterwards. A Linear whose forward never runs (MultiheadAttention's
     out_proj: its weight is used directly) is left out, with a note.
     """
     dtypes = tuple(dtypes)
-    bad = [d for d in dtypes if d not in DTYPES]
+    bad = [d for d in dtypes if d not in DTYPES and d not in recipe_names()]
     if bad:
-        raise UsageError(f"cannot measure dtype {', '.join(map(repr, bad))}", hint=f"use {', '.join(DTYPES)}")
+        raise UsageError(f"cannot measure dtype {', '.join(map(repr, bad))}",
+                         hint=f"use {', '.join(DTYPES)} or a recipe ({', '.join(recipe_names())})")
     if recipe not in fp8.RECIPES:
         raise UsageError(f"unknown float8 recipe {recipe!r}", hint=f"use one of {', '.join(fp8.RECIPES)}")
     config = fp8.config(recipe) if "float8" in dtypes else None
@@ -322,7 +364,10 @@ def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = 
                     ran.add(name)
                     m = results[name]
                     m.tokens = max(m.tokens, x.numel() // max(lin.in_features, 1))
-                    metrics, stats = measure_call(lin, x, grad_output, dtypes=dtypes, config=config)
+                    # A recipe's cast statistics come from the first batch: they cost more than its run
+                    # (BENCHMARKS.md, "Recipes": planning time), and say why; the SQNR over every batch decides.
+                    metrics, stats = measure_call(lin, x, grad_output, dtypes=_runnable(m, lin, x, dtypes),
+                                                  config=config, recipe_stats=count == 1)
                     _keep_worst(m.metrics, metrics)
                     _keep_worst(m.stats, stats)
     if not count:

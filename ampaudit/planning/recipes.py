@@ -5,7 +5,9 @@ scales, which GPUs run it natively, and the next safer one.
     parse_recipes("tensorwise,mxfp8")          # ("float8_tensorwise", "mxfp8"): short names are accepted
     native_recipes(9.0)                        # the recipes an H100 runs with its own kernels
     safer("nvfp4")                             # "mxfp8"
-    CHOICES                                    # every recipe name, then "bfloat16", "float32"
+    choices()                                  # every recipe name, then "bfloat16", "float32"
+    budget("nvfp4")                            # (12.0, 10.0): forward / backward SQNR budget in dB (None: [plan]'s)
+    normalise_plan(v1_plan)                    # a version-1 plan read as version 2
 
 The table lives in rules/policy/recipes.toml; nothing here names a recipe.
 """
@@ -18,7 +20,7 @@ from ampaudit.errors import RuleError, UsageError
 from ampaudit.policy import read_toml, rules_dir
 
 __all__ = ["Recipe", "recipe", "recipe_names", "parse_recipes", "native_recipes", "safer", "choices",
-           "HIGH_PRECISION"]
+           "HIGH_PRECISION", "budget", "normalise_plan"]
 
 HIGH_PRECISION = ("bfloat16", "float32")
 _FIELDS = ("family", "torchao", "scaling", "block", "weight_block", "scale_dtype", "input", "weight",
@@ -121,3 +123,46 @@ def safer(name: str) -> str:
     if name in HIGH_PRECISION:
         return "float32" if name == "bfloat16" else name
     return recipe(name).safer
+
+
+def budget(name: str) -> tuple[float, float] | None:
+    """``(forward_db, backward_db)`` of the recipe's own [budget.<name>] table, None where it has none (then
+    settings.toml [plan]'s float8 budget applies)."""
+    full = parse_recipes(name)[0]
+    path = rules_dir() / "policy" / "recipes.toml"
+    row = (read_toml(path).get("budget") or {}).get(full)
+    if row is None:
+        return None
+    try:
+        return float(row["forward_db"]), float(row["backward_db"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RuleError(f"{path.name}: [budget.{full}] needs numeric forward_db and backward_db",
+                        hint="fix the file") from exc
+
+
+def normalise_plan(data: dict) -> dict:
+    """A plan (the dict of ``ampaudit plan -o``) as version 2: a version-1 plan's ``choice: "float8"`` becomes
+    the recipe its top-level ``recipe`` named (``float8_tensorwise`` when absent), ``recipes`` lists it, and its
+    ``metrics["float8"]`` is filed under that name. A version-2 plan comes back as it is (a copy); anything
+    else raises InputError."""
+    import copy
+
+    from ampaudit.errors import InputError
+
+    hint = "re-run ampaudit plan on this model and pass the new plan"
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), list) or data.get("version") not in (1, 2):
+        raise InputError("not an ampaudit plan (version 1 or 2)", hint=hint)
+    out = copy.deepcopy(data)
+    if out["version"] == 2:
+        return out
+    name = parse_recipes(str(out.get("recipe") or "tensorwise"))[0]
+    for layer in out["layers"]:
+        if not isinstance(layer, dict):
+            raise InputError("a plan layer is not an object", hint=hint)
+        if layer.get("choice") == "float8":
+            layer["choice"] = name
+        metrics = layer.get("metrics")
+        if isinstance(metrics, dict) and "float8" in metrics:
+            metrics[name] = metrics.pop("float8")
+    out["version"], out["recipes"] = 2, [name]
+    return out

@@ -38,23 +38,39 @@ def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn, 
 
 
 def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, recipe: str = "tensorwise",
-                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, dict[str, float]]:
+                      loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                      layer_recipes: dict[str, tuple[str, bool]] | None = None) -> dict[str, dict[str, float]]:
     """For each Linear in ``names``: the SQNR of all parameter gradients against FP32 with that layer alone in
-    float8, and its ``noise`` (see the module docstring). ``batch``: ``(args, kwargs[, target])``."""
+    float8 (torchao's ``recipe``), and its ``noise`` (see the module docstring). ``batch``: ``(args, kwargs[,
+    target])``. ``layer_recipes``: name -> (recipe of rules/policy/recipes.toml, grad_weight in bf16) instead, each
+    layer swapped for :func:`ampaudit.planning.emulate.recipe_linear` of its own recipe."""
+    from ampaudit.planning import emulate
     from ampaudit.planning.fp8 import config, import_torchao
+    from ampaudit.planning.recipes import recipe as recipe_of
 
     float8_linear = import_torchao().float8_linear.Float8Linear
-    cfg = config(recipe)
+    cfg = config(recipe) if layer_recipes is None else None
+
+    def swapped(name: str, original: nn.Module) -> nn.Module:
+        if layer_recipes is None:
+            return float8_linear.from_float(original, config=cfg)
+        which, hp = layer_recipes[name]
+        return emulate.recipe_linear(original, recipe_of(which), hp_grad_weight=hp)
+
     params = [p for p in model.parameters() if p.requires_grad]
     rng = torch.get_rng_state()
     ref = _grads(model, params, batch, loss_fn, rng)
     out: dict[str, dict[str, float]] = {}
     for name in names:
+        if not name:                 # the model is the Linear itself: run its swapped form as the model
+            sqnr = error_metrics(ref, _grads(swapped(name, model), params, batch, loss_fn, rng))["sqnr_db"]
+            out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         original = getattr(parent, attr)
         # Shares the Parameters: nothing is copied, and the gradients line up with the reference's.
-        setattr(parent, attr, float8_linear.from_float(original, config=cfg))
+        setattr(parent, attr, swapped(name, original))
         try:
             sqnr = error_metrics(ref, _grads(model, params, batch, loss_fn, rng))["sqnr_db"]
         finally:
