@@ -47,6 +47,8 @@ TYPOS = {
                                         "leave unknown"),
     "parameter type": (dict(ops='"exp"'), "key 'ops' is 'exp', not a list of op names"),
     "unknown op set": (dict(ops='["@my_ops"]'), "key 'ops' names unknown op set '@my_ops'"),
+    "missing matcher parameter": (dict(matcher='"constants"', ops=None, message='"{value}"'),
+                                  "missing key 'default_params', a parameter matcher constants needs"),
 }
 
 

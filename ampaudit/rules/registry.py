@@ -88,6 +88,7 @@ class Matcher:
     params: dict = dataclasses.field(default_factory=dict)   # key -> type, or tuple of allowed values
     variants: frozenset[str] = frozenset()                   # the variant names its hits may carry
     nullable: frozenset[str] = frozenset()                   # fields that may be unknown ("?")
+    required: frozenset[str] = frozenset()                   # params a rule (or its file's [params]) must set
 
 
 MATCHERS: Registry = Registry("matcher", providers=tuple(
@@ -96,12 +97,13 @@ MATCHERS: Registry = Registry("matcher", providers=tuple(
 
 
 def matcher(name: str, *, fields: set[str], params: dict | None = None, variants: set[str] = frozenset(),
-            nullable: set[str] = frozenset()) -> Callable:
+            nullable: set[str] = frozenset(), required: set[str] = frozenset()) -> Callable:
     """Register ``fn`` as the matcher ``name``: ``fields`` are the names its hits put in ``details``,
-    ``params`` the rule keys it reads (a type, or a tuple of allowed values; an op list is ``OPS``),
-    ``variants`` the variant names its hits name, ``nullable`` the fields it may leave unknown (None)."""
+    ``params`` the rule keys it reads (a type, or a tuple of allowed values; an op list is ``OPS``) and
+    ``required`` those it has no default for, ``variants`` the variant names its hits name, ``nullable`` the
+    fields it may leave unknown (None)."""
     return MATCHERS.register(name, lambda fn: Matcher(name, fn, frozenset(fields) | COMMON_FIELDS, dict(params or {}),
-                                                      frozenset(variants), frozenset(nullable)))
+                                                      frozenset(variants), frozenset(nullable), frozenset(required)))
 
 
 # A parameter that lists op names: plain names, or "@set" for an op set of the rule files ([op_sets]).

@@ -98,6 +98,11 @@ def check_rule(raw: dict, at: str, m) -> dict:
                             + "; every rule may set " + ", ".join(OPTIONAL))
         if key not in ("fix", "references"):
             params[key] = value
+    missing = sorted(m.required - set(raw))
+    if missing:
+        raise RuleError(f"{at}: missing key {missing[0]!r}, a parameter matcher {m.name} needs",
+                        hint=f"set it in the rule or in the file's [params.{m.name}]; {m.name} needs "
+                             + ", ".join(sorted(m.required)))
     if raw["family"] not in FAMILIES:
         raise RuleError(f"{at}: key 'family' is {raw['family']!r}", hint=f"use one of {', '.join(FAMILIES)}")
     if raw["severity"] not in SEVERITIES:

@@ -70,7 +70,7 @@ def _range_rows(ctx: MatchContext) -> Iterator[tuple[str, dict]]:
 
 @matcher("calibrated_range", fields={"what", "absmax", "max", "headroom", "share", "flush", "extra"},
          params={"check": ("overflow", "headroom", "underflow"), "headroom_warning_bits": float,
-                 "underflow_warning": float})
+                 "underflow_warning": float}, required={"headroom_warning_bits", "underflow_warning"})
 def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
     cal = ctx.calibration
     if cal is None:
@@ -107,9 +107,9 @@ def _range_test(rule, check: str):
     if check == "overflow":
         return lambda r: (r.get("overflow") or 0) > 0
     if check == "headroom":
-        bits = float(rule.param("headroom_warning_bits", 1.0))
+        bits = float(rule.params["headroom_warning_bits"])
         return lambda r: not (r.get("overflow") or 0) and r.get("headroom_bits", 99) < bits
-    share = float(rule.param("underflow_warning", 0.25))
+    share = float(rule.params["underflow_warning"])
     return lambda r: r.get("underflow_share", 0) >= share
 
 

@@ -52,7 +52,8 @@ def _consequence(check: str, op: str, raising: set[str]) -> str:
     return ""
 
 
-@matcher("constants", fields=FIELDS, params=PARAMS, variants={"default"})
+@matcher("constants", fields=FIELDS, params=PARAMS, variants={"default"},
+         required={"ops", "raising", "default_params", "eps_used_in"})
 def constants(ctx: MatchContext, rule) -> Iterator[Hit]:
     cfg = rule.params
     ops, raising = set(cfg["ops"]), set(cfg["raising"])

@@ -149,7 +149,7 @@ def _divides(user: fx.Node, held: fx.Node) -> bool:
 
 
 
-@matcher("integer_values", fields=FIELDS, params=PARAMS, variants={"divisor"})
+@matcher("integer_values", fields=FIELDS, params=PARAMS, variants={"divisor"}, required=set(PARAMS))
 def integer_values(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Folded integers rounded by the dtype they are held in (judged where an op takes them, reported where they
     became low), or by an op that takes them as numbers and computes in a low dtype."""

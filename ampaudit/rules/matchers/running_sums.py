@@ -142,7 +142,8 @@ def _nonnegative(node, ops: set[str], depth: int = 0) -> bool:
 
 
 @matcher("running_sum_difference", fields=FIELDS, nullable={"window"}, variants={"small", "unproven"},
-         params={"ops": OPS, "carriers": OPS, "nonnegative": OPS, "warning_error": float})
+         params={"ops": OPS, "carriers": OPS, "nonnegative": OPS, "warning_error": float},
+         required={"ops", "carriers", "nonnegative", "warning_error"})
 def running_sum_difference(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Subtractions of two parts of one low-precision cumsum (rule param ``ops``: the cumulative ops)."""
     cfg = rule.params

@@ -82,7 +82,7 @@ def _overflow_note(ctx: MatchContext, node: fx.Node) -> str:
 
 
 @matcher("reduced_precision_op", fields=FIELDS, params=PARAMS, nullable={"depth", "per_term"},
-         variants={"accumulates", "short", "half_params", "upcast"})
+         variants={"accumulates", "short", "half_params", "upcast"}, required={"ops"})
 def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Listed ops whose arithmetic the target leaves in fp16/bf16, named by what the kernel then really risks
     (rules/policy/kernels.toml): the rule's own severity for a range or conditioning hazard, its variants
