@@ -161,3 +161,11 @@ def test_the_readme_rule_example_loads(tmp_path):
     (tmp_path / "x.toml").write_text(text.split("```toml\n", 1)[1].split("```", 1)[0])
     rule = find_rule(load_rules([tmp_path]), "x100")
     assert rule.param("ops") == ["erf", "erfinv", "lgamma"]
+
+
+def test_ignore_comments_name_rules_in_any_case():
+    from ampaudit.rules.engine import ignores
+
+    assert ignores("x = y  # ampaudit: ignore[amp201]", "AMP201", "softmax-reduced-precision")
+    assert ignores("x = y  # ampaudit: ignore[MY901]", "my901", "my-exp")
+    assert not ignores("x = y  # ampaudit: ignore[AMP202]", "AMP201", "softmax-reduced-precision")

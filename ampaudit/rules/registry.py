@@ -12,6 +12,7 @@ against that declaration at load, so a typo is one error naming the file, rule a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -32,8 +33,6 @@ COMMON_FIELDS = {"op", "module", "device", "dtype", "low", "max", "max_sqrt", "m
 
 def limit_fields(dtype: torch.dtype) -> dict[str, float]:
     """The limits of ``dtype`` a message may name (see COMMON_FIELDS), from torch.finfo."""
-    import math
-
     big = float(torch.finfo(dtype).max)
     return {"max": big, "max_sqrt": math.sqrt(big), "max_cbrt": big ** (1 / 3), "max_log": math.log(big),
             "max_inv": 1 / big}
