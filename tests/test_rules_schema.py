@@ -46,6 +46,8 @@ TYPOS = {
                                         "key 'message' formats {depth:d}, a field matcher reduced_precision_op may "
                                         "leave unknown"),
     "parameter type": (dict(ops='"exp"'), "key 'ops' is 'exp', not a list of op names"),
+    "integer parameter": (dict(min_depth='"4096"'), "key 'min_depth' is '4096', not an int"),
+    "conversion": (dict(message='"{op!x}"'), "key 'message' converts {op!x}"),
     "unknown op set": (dict(ops='["@my_ops"]'), "key 'ops' names unknown op set '@my_ops'"),
     "missing matcher parameter": (dict(matcher='"constants"', ops=None, message='"{value}"'),
                                   "missing key 'default_params', a parameter matcher constants needs"),
@@ -169,3 +171,10 @@ def test_ignore_comments_name_rules_in_any_case():
     assert ignores("x = y  # ampaudit: ignore[amp201]", "AMP201", "softmax-reduced-precision")
     assert ignores("x = y  # ampaudit: ignore[MY901]", "my901", "my-exp")
     assert not ignores("x = y  # ampaudit: ignore[AMP202]", "AMP201", "softmax-reduced-precision")
+
+
+def test_explain_finds_a_rule_in_any_case_and_says_what_it_checks():
+    r = CliRunner().invoke(app, ["rules", "explain", "amp401"])
+    assert r.exit_code == 0, r.output
+    what = find_rule(load_rules(), "AMP401").params["docs"]["what"]
+    assert r.output.startswith("AMP401 ") and "Checks: " + " ".join(what.split()) in r.output

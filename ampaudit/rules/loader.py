@@ -107,8 +107,11 @@ def _file_tables(path: Path, data: dict, matchers, op_sets: dict) -> dict:
         if key not in FILE_KEYS:
             raise RuleError(f"{path.name}: unknown top-level key {key!r}",
                             hint="a rule file holds [[rule]] tables, [op_sets] and [params.<matcher>]")
-    if not isinstance(data.get("rule", []), list):
+    if not isinstance(data.get("rule", []), list) or not all(isinstance(r, dict) for r in data.get("rule", [])):
         raise RuleError(f"{path.name}: 'rule' must be an array of tables ([[rule]])", hint="fix the rule file")
+    for key in ("op_sets", "params"):
+        if not isinstance(data.get(key, {}), dict):
+            raise RuleError(f"{path.name}: {key!r} must be a table ([{key}])", hint="fix the rule file")
     for name, ops in data.get("op_sets", {}).items():
         if name in op_sets:
             raise RuleError(f"{path.name}: op set {name!r} already defined in {op_sets[name][1]}",
@@ -131,7 +134,7 @@ def _file_tables(path: Path, data: dict, matchers, op_sets: dict) -> dict:
 def _rule_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise RuleError(f"rules folder not found: {folder}", hint="pass an existing folder to --rules")
-    # rules/*.toml holds rules only; the tables the matchers read live in rules/policy/.
+    # rules/*.toml holds rules (with their op sets and shared parameters); run-wide tables live in rules/policy/.
     return sorted(folder.glob("*.toml"))
 
 

@@ -68,7 +68,9 @@ def check_param(value: Any, spec: Any, at: str, key: str) -> None:
     if not ok and isinstance(spec, tuple):
         raise RuleError(f"{at}: key {key!r} is {value!r}", hint="use " + _type_name(spec))
     if not ok:
-        raise RuleError(f"{at}: key {key!r} is {value!r}, not a {_type_name(spec)}", hint="fix the rule file")
+        name = _type_name(spec)
+        raise RuleError(f"{at}: key {key!r} is {value!r}, not {'an' if name[0] in 'aeiou' else 'a'} {name}",
+                        hint="fix the rule file")
 
 
 def check_required(raw: dict, at: str) -> None:
@@ -98,11 +100,6 @@ def check_rule(raw: dict, at: str, m) -> dict:
                             + "; every rule may set " + ", ".join(OPTIONAL))
         if key not in ("fix", "references"):
             params[key] = value
-    missing = sorted(m.required - set(raw))
-    if missing:
-        raise RuleError(f"{at}: missing key {missing[0]!r}, a parameter matcher {m.name} needs",
-                        hint=f"set it in the rule or in the file's [params.{m.name}]; {m.name} needs "
-                             + ", ".join(sorted(m.required)))
     if raw["family"] not in FAMILIES:
         raise RuleError(f"{at}: key 'family' is {raw['family']!r}", hint=f"use one of {', '.join(FAMILIES)}")
     if raw["severity"] not in SEVERITIES:
@@ -114,6 +111,11 @@ def check_rule(raw: dict, at: str, m) -> dict:
         check_variant(name, variant, at, m)
     if "docs" in raw:
         check_docs(raw["docs"], at)
+    missing = sorted(m.required - set(raw))
+    if missing:
+        raise RuleError(f"{at}: missing key {missing[0]!r}, a parameter matcher {m.name} needs",
+                        hint=f"set it in the rule or in the file's [params.{m.name}]; {m.name} needs "
+                             + ", ".join(sorted(m.required)))
     return params
 
 
@@ -152,6 +154,8 @@ def check_templates(raw: dict, at: str, m) -> None:
             raise RuleError(f"{at}: key {key!r} uses unknown field(s) {unknown}",
                             hint=f"matcher {m.name} provides: {', '.join(sorted(m.fields))}")
         for f, spec, conv in parsed:
+            if conv not in (None, "r", "s", "a"):
+                raise RuleError(f"{at}: key {key!r} converts {{{f}!{conv}}}", hint="use !r, !s or !a, or none")
             if _field(f) in m.nullable and (spec or conv):
                 raise RuleError(f"{at}: key {key!r} formats {{{f}{'!' + conv if conv else ''}"
                                 f"{':' + spec if spec else ''}}}, a field matcher {m.name} may leave unknown ('?')",
