@@ -64,8 +64,7 @@ def test_each_kind_of_typo_is_refused_at_load_with_one_line(tmp_path, kind):
     assert "\n" not in line and line.startswith("mine.toml: rule X900: ") and says in line, line
 
 
-@pytest.mark.parametrize("kind", ["check value", "unknown variant", "unknown fixer parameter",
-                                  "format spec on an unknown value"])
+@pytest.mark.parametrize("kind", sorted(TYPOS))
 def test_check_with_a_bad_rule_folder_exits_2_with_one_line(tmp_path, kind):
     over, says = TYPOS[kind]
     folder = _write(tmp_path, **over)
@@ -178,3 +177,12 @@ def test_explain_finds_a_rule_in_any_case_and_says_what_it_checks():
     assert r.exit_code == 0, r.output
     what = find_rule(load_rules(), "AMP401").params["docs"]["what"]
     assert r.output.startswith("AMP401 ") and "Checks: " + " ".join(what.split()) in r.output
+
+
+def test_a_message_names_the_rules_own_scalar_parameters(tmp_path):
+    """{min_depth} fills from the rule's parameter; a rule that does not set it cannot name it."""
+    folder = _write(tmp_path, message='"{op} past {min_depth} terms"', min_depth="7")
+    report = _check(_ExpOfLinear(), dtype="bfloat16", rules_dirs=[folder], select=["X900"])
+    assert [f.message for f in report.findings] == ["exp past 7 terms"]
+    with pytest.raises(RuleError, match=r"unknown field\(s\) \['min_depth'\]"):
+        load_rules([_write(tmp_path, message='"{op} past {min_depth} terms"')])

@@ -58,8 +58,10 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     module = hit.module if hit.module is not None else (info.module if info else "")
     op = hit.op or (info.op if info else "")
     # A detail the matcher could not measure is null in JSON and "?" in the text.
+    params = {k: rule.params[k] for k in MATCHERS[rule.matcher].param_fields() if k in rule.params}
     fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
-              "low": ctx.policy.short(), **limit_fields(ctx.policy.low), **{k: "?" if v is None else v for k, v in hit.details.items()}}
+              "low": ctx.policy.short(), **limit_fields(ctx.policy.low), **params,
+              **{k: "?" if v is None else v for k, v in hit.details.items()}}
     variant = _variant(ctx, rule, hit)
     fix_text = variant.get("fix", rule.fix)
     try:

@@ -81,6 +81,9 @@ class MatchContext:
 
 @dataclass(frozen=True)
 class Matcher:
+    """A matcher and what a rule using it may say. Its messages may name ``fields`` and the rule's own scalar
+    parameters (``{min_depth}``: :meth:`param_fields`)."""
+
     name: str
     fn: Callable[[MatchContext, Any], Iterator[Hit]]
     fields: frozenset[str]
@@ -88,6 +91,10 @@ class Matcher:
     variants: frozenset[str] = frozenset()                   # the variant names its hits may carry
     nullable: frozenset[str] = frozenset()                   # fields that may be unknown ("?")
     required: frozenset[str] = frozenset()                   # params a rule (or its file's [params]) must set
+
+    def param_fields(self) -> frozenset[str]:
+        """The parameters whose value is one number or word, which a message may name like a field."""
+        return frozenset(k for k, spec in self.params.items() if spec in (int, float, str) or isinstance(spec, tuple))
 
 
 MATCHERS: Registry = Registry("matcher", providers=tuple(

@@ -104,11 +104,12 @@ def check_rule(raw: dict, at: str, m) -> dict:
         raise RuleError(f"{at}: key 'family' is {raw['family']!r}", hint=f"use one of {', '.join(FAMILIES)}")
     if raw["severity"] not in SEVERITIES:
         raise RuleError(f"{at}: key 'severity' is {raw['severity']!r}", hint=f"use one of {', '.join(SEVERITIES)}")
-    check_templates(raw, at, m)
+    fields = m.fields | (m.param_fields() & set(raw))     # the rule's own scalar parameters, where it sets them
+    check_templates(raw, at, m, fields)
     for slot in FIX_SLOTS:
         check_fix(raw, slot, at)
     for name, variant in raw.get("variants", {}).items():
-        check_variant(name, variant, at, m)
+        check_variant(name, variant, at, m, fields)
     if "docs" in raw:
         check_docs(raw["docs"], at)
     missing = sorted(m.required - set(raw))
@@ -119,7 +120,7 @@ def check_rule(raw: dict, at: str, m) -> dict:
     return params
 
 
-def check_variant(name: str, variant: Any, at: str, m) -> None:
+def check_variant(name: str, variant: Any, at: str, m, fields: frozenset[str]) -> None:
     at = f"{at}: variant {name!r}"
     allowed = sorted(m.variants) + [f"on_{d}" for d in DEVICES]
     if name not in allowed:
@@ -135,12 +136,12 @@ def check_variant(name: str, variant: Any, at: str, m) -> None:
     if variant.get("severity", "info") not in SEVERITIES + ("off",):
         raise RuleError(f"{at}: key 'severity' is {variant['severity']!r}",
                         hint=f"use one of {', '.join(SEVERITIES)} or off")
-    check_templates(variant, at, m)
+    check_templates(variant, at, m, fields)
 
 
-def check_templates(raw: dict, at: str, m) -> None:
-    """Each ``{field}`` of message, why and fix is one ``m`` provides; a field ``m`` may leave unknown ("?") takes
-    no format spec (``{depth:d}`` would raise on "?")."""
+def check_templates(raw: dict, at: str, m, known: frozenset[str]) -> None:
+    """Each ``{field}`` of message, why and fix is one of ``known`` (what ``m`` provides, and the rule's scalar
+    parameters); a field ``m`` may leave unknown ("?") takes no format spec (``{depth:d}`` would raise on "?")."""
     for key in TEMPLATE_KEYS:
         if key not in raw:
             continue
@@ -149,10 +150,10 @@ def check_templates(raw: dict, at: str, m) -> None:
         except ValueError as exc:
             raise RuleError(f"{at}: key {key!r} is not a valid template: {exc}",
                             hint="escape braces as {{ and }}") from exc
-        unknown = sorted({_field(f) for f, _, _ in parsed} - m.fields)
+        unknown = sorted({_field(f) for f, _, _ in parsed} - known)
         if unknown:
             raise RuleError(f"{at}: key {key!r} uses unknown field(s) {unknown}",
-                            hint=f"matcher {m.name} provides: {', '.join(sorted(m.fields))}")
+                            hint=f"matcher {m.name} provides: {', '.join(sorted(known))}")
         for f, spec, conv in parsed:
             if conv not in (None, "r", "s", "a"):
                 raise RuleError(f"{at}: key {key!r} converts {{{f}!{conv}}}", hint="use !r, !s or !a, or none")

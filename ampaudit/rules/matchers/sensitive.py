@@ -21,7 +21,7 @@ from ampaudit.dtypes import name_of
 from ampaudit.policy import kernel_hazard
 from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
-FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note", "per_term", "min_depth"}
+FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note", "per_term"}
 PARAMS = {"ops": OPS, "upcast_severity": ("info", "warning", "error", "off"), "depth_ops": OPS, "min_depth": int,
           "half_params_ops": OPS}
 
@@ -99,8 +99,7 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
         depth = reduction_depth(ctx, node)
         details = {"compute_dtype": name_of(info.compute_dtype), "depth": depth,
                    "overflow_note": _overflow_note(ctx, node), "policy_note": "",
-                   "per_term": f"{ctx.policy.limits.max / depth:.3g}" if depth else None,
-                   "min_depth": rule.param("min_depth", 0)}
+                   "per_term": f"{ctx.policy.limits.max / depth:.3g}" if depth else None}
         if ctx.is_low(info.compute_dtype):
             if info.category is None and ctx.policy.device == "cpu" and ctx.policy.table and _upcast_on_cuda(info.op):
                 details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
