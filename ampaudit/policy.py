@@ -74,10 +74,7 @@ def kernels() -> dict:
     """rules/policy/kernels.toml: what the kernels do with fp16/bf16 tensors (hazard per op, see the file)."""
     data = read_toml(rules_dir() / "policy" / "kernels.toml")
     hazard = {op: name for name, ops in data.get("hazard", {}).items() for op in ops}
-    return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", [])),
-            "half_params": frozenset(data.get("half_params", {}).get("ops", [])),
-            "depth_ops": frozenset(data.get("depth", {}).get("ops", [])),
-            "min_depth": int(data.get("depth", {}).get("min_depth", 0))}
+    return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", []))}
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

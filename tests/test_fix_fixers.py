@@ -12,6 +12,15 @@ from ampaudit.rewrite.fixers import FIXERS, fixer
 from ampaudit.rules.loader import load_rules
 
 
+def test_the_declared_fix_kinds_are_the_registered_ones():
+    """rules/policy/fixes.toml (what the loader checks rule files against) names exactly the registered fixers."""
+    from ampaudit.rules.schema import fix_kinds
+    from ampaudit.sourcefix.registry import load_builtin_fixers
+
+    assert set(fix_kinds()["autofix"]) == set(FIXERS)
+    assert set(fix_kinds()["source_fix"]) == set(load_builtin_fixers())
+
+
 def test_every_builtin_rule_names_a_registered_fixer_or_none():
     for rule in load_rules():
         assert rule.autofix["kind"] in set(FIXERS) | {"none"}, rule.id
@@ -36,7 +45,11 @@ why = "a test rule"
 
 
 def test_a_new_fix_kind_is_one_registered_function(tmp_path, monkeypatch):
+    from ampaudit.rules import schema
+
     seen = []
+    kinds = schema.fix_kinds()
+    monkeypatch.setattr(schema, "fix_kinds", lambda: {**kinds, "autofix": {**kinds["autofix"], "count": frozenset()}})
     monkeypatch.setitem(FIXERS, "count", fixers.Fixer("count", lambda job: seen.extend(
         f.rule for f in fixers.of_kind(job.findings, "count")) or [], None))
     rules = _rule_file(tmp_path, '{kind = "count", safety = "safe"}')
@@ -59,6 +72,6 @@ def test_a_malformed_autofix_names_the_rule_and_key(tmp_path, autofix, needs):
 
 
 def test_fixer_registration_warns_on_a_duplicate(monkeypatch):
-    monkeypatch.setattr(fixers, "FIXERS", dict(FIXERS))
+    monkeypatch.setattr(fixers, "FIXERS", FIXERS.copy())
     with pytest.warns(UserWarning, match="registered twice"):
         fixer("island")(lambda job: [])

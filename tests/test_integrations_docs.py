@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from ampaudit.docs_gen import DOCS_DIR, EXAMPLES, load_examples, main, render_pages, stale_pages, write_pages
+from ampaudit.docs_gen import DOCS_DIR, main, render_pages, stale_pages, write_pages
 from ampaudit.errors import RuleError
 from ampaudit.rules.loader import load_rules
 
@@ -15,7 +15,7 @@ HEADINGS = ["## What it checks", "## Why it matters", "## Example", "## Fix"]
 
 @pytest.fixture(scope="module")
 def pages() -> dict[str, str]:
-    return render_pages(load_rules(), load_examples(EXAMPLES))
+    return render_pages(load_rules())
 
 
 def test_committed_pages_match_the_rule_files(pages):
@@ -62,24 +62,22 @@ def test_a_changed_rule_makes_the_page_stale(tmp_path, pages):
     rules = load_rules()
     import dataclasses
     edited = [dataclasses.replace(r, why=r.why + " Also this.") if r.id == "AMP201" else r for r in rules]
-    assert stale_pages(tmp_path, render_pages(edited, load_examples(EXAMPLES))) == ["AMP201.md"]
+    assert stale_pages(tmp_path, render_pages(edited)) == ["AMP201.md"]
     (tmp_path / "AMP999.md").write_text("old rule")
     assert "AMP999.md" in stale_pages(tmp_path, pages)
     write_pages(tmp_path, pages)
     assert not (tmp_path / "AMP999.md").exists()
 
 
-def test_rules_and_examples_must_match(tmp_path):
-    examples = load_examples(EXAMPLES)
+def test_a_rule_without_docs_is_an_error():
+    """Every page comes from the rule's own [rule.docs] table: a rule without one cannot be rendered."""
+    import dataclasses
+
     rules = load_rules()
-    with pytest.raises(RuleError, match="no example for rule"):
-        render_pages(rules, {k: v for k, v in examples.items() if k != "AMP101"})
-    with pytest.raises(RuleError, match="unknown rule"):
-        render_pages(rules, {**examples, "AMP999": examples["AMP101"]})
-    bad = tmp_path / "ex.toml"
-    bad.write_text('[AMP101]\nwhat = "x"\n')
-    with pytest.raises(RuleError, match="needs string key"):
-        load_examples(bad)
+    bare = [dataclasses.replace(r, params={k: v for k, v in r.params.items() if k != "docs"})
+            if r.id == "AMP101" else r for r in rules]
+    with pytest.raises(RuleError, match=r"rule AMP101: no \[rule.docs\] table"):
+        render_pages(bare)
 
 
 def test_cli_check_mode(tmp_path, capsys):

@@ -45,6 +45,8 @@ def explain(rule_id: Annotated[str, typer.Argument(help="Rule id or name, e.g. A
 
     r = find_rule(load_rules([str(p) for p in rules or []]), rule_id)
     typer.echo(f"{r.id} {r.name} ({r.family}, {r.severity})\n")
+    if r.param("docs"):
+        typer.echo("Checks: " + " ".join(r.params["docs"]["what"].split()))
     typer.echo("Why: " + " ".join(r.why.split()))
     if r.fix:
         typer.echo("Fix: " + r.fix)

@@ -77,10 +77,8 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     # What check audits only at the example inputs' shapes, a rewrite that must hold for every input leaves alone.
     report.notes += [f"{note}; its body is left as written (ampaudit check audits it at the example inputs' "
                      "shapes)" for note in aud.opaque]
-    job = FixJob(gm=gm, work=work, aud=aud, findings=findings, report=report, select=select, ignore=ignore,
-                 rules_dirs=rules_dirs)
+    job = FixJob(gm=gm, work=work, aud=aud, findings=findings, report=report)
     options = {"pad": pad}
-    _check_kinds(findings)
     changes: list[Any] = []
     for fx_ in FIXERS.values():
         if fx_.option is None or options.get(fx_.option):
@@ -96,16 +94,6 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         report.verification = _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate,
                                       padded, data)
     return FixResult(module=fixed, changes=changes, report=report, gm=gm, devices=devices)
-
-
-def _check_kinds(findings: list[Finding]) -> None:
-    from ampaudit.errors import RuleError
-
-    unknown = sorted({f.autofix.get("kind") for f in findings} - set(FIXERS) - {"none"})
-    if unknown:
-        rules = sorted({f.rule for f in findings if f.autofix.get("kind") in unknown})
-        raise RuleError(f"rule(s) {', '.join(rules)} ask for fix kind(s) {', '.join(unknown)}, which no fixer has",
-                        hint=f"use one of {', '.join(sorted(FIXERS))} or none in the rule's autofix")
 
 
 def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) -> list[Finding]:

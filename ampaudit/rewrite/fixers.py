@@ -8,11 +8,11 @@ its TOML entry), registered by decorator the way matchers are.
     def pad(job: FixJob) -> list: ...
 
 A finding is a fixer's when ``finding.autofix["kind"]`` is its kind; no fixer names a rule id or family. Adding
-a fix kind is one registered function (and the kind in the rules that want it).
+a fix kind is one registered function, declared with its parameters in rules/policy/fixes.toml (which the rule
+loader checks rule files against without importing the fixers), and the kind in the rules that want it.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,22 +22,20 @@ import torch.fx as fx
 from torch import nn
 
 from ampaudit.findings import Finding
+from ampaudit.registry import Registry
 from ampaudit.rewrite.report import FixReport
 
 
 @dataclass
 class FixJob:
     """What a fixer may read and change: the graph being rewritten (of ``work``, a copy of the user's model),
-    the audit and its findings, the report the fixers fill, and the selection the caller made."""
+    the audit and its findings (every hit of the selected rules), and the report the fixers fill."""
 
     gm: fx.GraphModule
     work: nn.Module
     aud: Any                               # ampaudit.api.Audit
     findings: list[Finding]
     report: FixReport
-    select: Sequence[str] | None = None
-    ignore: Sequence[str] | None = None
-    rules_dirs: Sequence = ()
     flags: dict = field(default_factory=dict)   # node -> rule ids an island fixer put in fp32
 
 
@@ -48,19 +46,12 @@ class Fixer:
     option: str | None                     # the fix() keyword that turns it on; None: always on
 
 
-FIXERS: dict[str, Fixer] = {}
+FIXERS: Registry = Registry("fixer")     # filled by the @fixer functions below
 
 
 def fixer(kind: str, *, option: str | None = None) -> Callable:
     """Register ``fn`` as the fixer of ``kind``; with ``option`` it runs only when fix() gets ``option=True``."""
-
-    def register(fn: Callable) -> Callable:
-        if kind in FIXERS:
-            warnings.warn(f"fixer {kind!r} registered twice; the later one wins", stacklevel=2)
-        FIXERS[kind] = Fixer(kind, fn, option)
-        return fn
-
-    return register
+    return FIXERS.register(kind, lambda fn: Fixer(kind, fn, option))
 
 
 def of_kind(findings: Sequence[Finding], kind: str) -> list[Finding]:
@@ -93,13 +84,13 @@ def baseline_casts(flags: dict) -> int:
 @fixer("island")
 def islands(job: FixJob) -> list:
     """FP32 islands around every node a rule of kind "island" hits, merged where cycle-safe (networkx)."""
-    from ampaudit.rewrite.flags import every_hit, flag_nodes
+    from ampaudit.rewrite.flags import flag_nodes
     from ampaudit.rewrite.island_insert import insert_islands
     from ampaudit.rewrite.island_partition import find_islands
 
-    # The report groups repeated findings; every node that hits a rule gets its island.
-    hits = every_hit(job.aud, select=job.select, ignore=job.ignore, rules_dirs=job.rules_dirs)
-    job.flags = flag_nodes(job.gm, job.findings + hits, root=job.work)
+    # The audit holds every hit as its own finding (the report only groups repeated ones for display), so every
+    # node that hits a rule gets its island from job.findings alone.
+    job.flags = flag_nodes(job.gm, job.findings, root=job.work)
     found = find_islands(job.gm, job.flags, root=job.work)
     job.report.casts_per_op = baseline_casts(job.flags)
     job.report.flagged_ops = len(job.flags)

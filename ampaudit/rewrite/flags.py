@@ -1,7 +1,6 @@
 """Which graph nodes must compute in fp32: from findings to flagged nodes, writing no meta.
 
-    hits = every_hit(audit, select=..., ignore=...)                       # every node a static rule hits
-    flags = flag_nodes(audit.capture.gm, audit.report.findings + hits)     # {node: [rule ids]}
+    flags = flag_nodes(audit.capture.gm, audit.report.findings)     # {node: [rule ids]}
 
 A finding with a ``node`` flags that node. A measured finding (``check --calibrate``: range / nonfinite /
 divergence) names a module: every node whose module (``MODULE_KEY``) is that module or below it is flagged
@@ -162,18 +161,3 @@ def _mask_path(start: fx.Node) -> list[fx.Node]:
                 keep.add(n)
                 changed = True
     return [n for n in path if n in keep]
-
-
-def every_hit(aud, *, select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
-              rules_dirs: Sequence = ()) -> list[Finding]:
-    """Node-level findings of the island families, from the rule engine (every hit, variants applied,
-    ``# ampaudit: ignore`` honoured as in the report); measured (module-level) rules are left to the report."""
-    from ampaudit.rules.engine import run_rules
-    from ampaudit.rules.loader import load_rules, rule_selected
-    from ampaudit.rules.registry import MatchContext
-
-    ctx = MatchContext(gm=aud.capture.gm, root=aud.capture.root, policy=aud.policy)
-    rules = [r for r in load_rules(list(rules_dirs))
-             if r.autofix.get("kind") == "island" and rule_selected(r, list(select or []), list(ignore or []))]
-    findings, _ = run_rules(ctx, rules)
-    return [f for f in findings if f.node is not None]

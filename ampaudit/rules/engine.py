@@ -20,7 +20,7 @@ from ampaudit.graph_meta import module_of, source_of
 from ampaudit.errors import RuleError
 from ampaudit.findings import Finding
 from ampaudit.rules.loader import Rule
-from ampaudit.rules.registry import MATCHERS, Hit, MatchContext
+from ampaudit.rules.registry import MATCHERS, Hit, MatchContext, limit_fields
 
 _IGNORE_RE = re.compile(r"#\s*ampaudit:\s*ignore(?:\[([^\]]*)\])?", re.IGNORECASE)
 
@@ -28,13 +28,13 @@ _IGNORE_RE = re.compile(r"#\s*ampaudit:\s*ignore(?:\[([^\]]*)\])?", re.IGNORECAS
 def ignores(text: str, *rules: str) -> bool:
     """True when the source line ``text`` carries ``# ampaudit: ignore`` (every rule) or an
     ``# ampaudit: ignore[AMP201,softmax-reduced-precision]`` that lists one of ``rules`` (ids or names). The one
-    reader of that syntax: check suppresses such findings, fix leaves such lines unedited."""
+    reader of that syntax: check suppresses such findings, fix leaves such lines unedited. Case does not count."""
     m = _IGNORE_RE.search(text)
     if not m:
         return False
     if m.group(1) is None:
         return True
-    return bool({s.strip() for s in m.group(1).split(",")} & set(rules))
+    return bool({s.strip().lower() for s in m.group(1).split(",")} & {r.lower() for r in rules})
 
 
 def suppressed_by_comment(file: str | None, line: int | None, rule: Rule) -> bool:
@@ -58,8 +58,10 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     module = hit.module if hit.module is not None else (info.module if info else "")
     op = hit.op or (info.op if info else "")
     # A detail the matcher could not measure is null in JSON and "?" in the text.
+    params = {k: rule.params[k] for k in MATCHERS[rule.matcher].param_fields() if k in rule.params}
     fields = {"op": op, "module": module, "device": ctx.policy.device, "dtype": ctx.policy.dtype_name,
-              "low": ctx.policy.short(), **{k: "?" if v is None else v for k, v in hit.details.items()}}
+              "low": ctx.policy.short(), **limit_fields(ctx.policy.low), **params,
+              **{k: "?" if v is None else v for k, v in hit.details.items()}}
     variant = _variant(ctx, rule, hit)
     fix_text = variant.get("fix", rule.fix)
     try:
@@ -90,7 +92,7 @@ def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]
     collected: list[tuple[int, Finding]] = []
     suppressed = 0
     for rule in rules:
-        for hit in MATCHERS[rule.matcher].fn(ctx, rule):
+        for hit in MATCHERS.load()[rule.matcher].fn(ctx, rule):
             if _variant(ctx, rule, hit).get("severity") == "off":
                 continue
             f = _finding(ctx, rule, hit)

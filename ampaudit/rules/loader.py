@@ -4,33 +4,31 @@
     rules = load_rules(extra_dirs=["my_rules"])
     rule = find_rule(rules, "AMP201")          # by id or name
 
-A rule file holds ``[[rule]]`` tables with keys id, name, family, severity, matcher, message, why, fix,
-references, and whatever parameters its matcher reads (``ops = [...]``, ``upcast_severity``, ``check``). Anything
-malformed is a :class:`RuleError` naming the file, the rule and the key.
+A rule file holds ``[[rule]]`` tables (the keys: :mod:`ampaudit.rules.schema`, which checks each completely),
+and may hold two tables for its rules to share:
+
+    [op_sets]                       # named op lists; a rule's op-list parameter names one as "@losses"
+    losses = ["cross_entropy", "nll_loss"]
+
+    [params.constants]              # parameters every rule of this file with matcher "constants" reads,
+    ops = ["add", "masked_fill"]    # unless it sets its own
+
+Op sets are shared by all loaded files, so a ``--rules DIR`` file may use the built-in ones or add its own. Rule
+ids, names and selectors are case-insensitive. Anything malformed is a :class:`RuleError` naming the file, the
+rule and the key.
 """
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ampaudit.errors import RuleError
 from ampaudit.policy import read_toml, rules_dir
-from ampaudit.rules.registry import load_builtin_matchers
+from ampaudit.rules.registry import OPS, load_builtin_matchers
+from ampaudit.rules.schema import FAMILIES, check_param, check_required, check_rule
 
-FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "nonfinite", "divergence")
-SEVERITIES = ("info", "warning", "error")
-REQUIRED = {"id": str, "name": str, "family": str, "severity": str, "matcher": str, "message": str, "why": str}
-OPTIONAL = {"fix": str, "references": list, "upcast_severity": str, "ops": list, "check": str, "reduction": bool,
-            "variants": dict, "min_share": float, "autofix": dict, "source_fix": dict}
-# How ``ampaudit fix`` treats a rule's findings: ``kind`` names a registered fixer (ampaudit/rewrite/fixers.py) or
-# "none"; ``safety`` is ruff's: safe fixes leave FP32 results unchanged, unsafe ones may change them.
-# ``source_fix`` says the same for ``ampaudit fix --diff/--write``, which edits the user's own files: ``kind``
-# names a registered source fixer (ampaudit/sourcefix/) or "none", and the rest are that fixer's parameters.
-SAFETIES = ("safe", "unsafe")
-# What a variant (``[rule.variants.NAME]``) may override; severity "off" drops the hit.
-VARIANT_KEYS = {"severity": str, "message": str, "why": str, "fix": str}
+FILE_KEYS = ("rule", "op_sets", "params")
 
 
 @dataclass(frozen=True)
@@ -71,122 +69,113 @@ class Rule:
                 "matcher": self.matcher, **{k: v for k, v in self.params.items()}}
 
 
-def _placeholders(template: str) -> set[str]:
-    return {fname.split(".")[0].split("[")[0] for _, fname, _, _ in string.Formatter().parse(template) if fname}
-
-
-def _fix_entry(raw: dict, key: str, at: str, *, example: str, what: str) -> dict:
-    """A rule's ``autofix`` / ``source_fix`` table: a kind, and a safety unless the kind is "none"."""
-    entry = raw.get(key, {"kind": "none"})
-    if not isinstance(entry.get("kind"), str):
-        raise RuleError(f"{at}: key {key!r} needs a kind",
-                        hint=f'e.g. {key} = {{kind = "{example}", safety = "safe"}}, or {{kind = "none"}}')
-    if entry["kind"] != "none" and entry.get("safety") not in SAFETIES:
-        raise RuleError(f"{at}: key {key!r} needs safety = \"safe\" or \"unsafe\"",
-                        hint=f"safe: the {what} leaves FP32 results unchanged; unsafe: it may change them")
-    return entry
-
-
-def _validate(raw: dict, where: str, matchers: dict) -> Rule:
-    rid = raw.get("id", "?")
-    for key, typ in REQUIRED.items():
-        if key not in raw:
-            raise RuleError(f"{where}: rule {rid}: missing key {key!r}", hint="every rule needs " + ", ".join(REQUIRED))
-        if not isinstance(raw[key], typ):
-            raise RuleError(f"{where}: rule {rid}: key {key!r} must be a {typ.__name__}", hint="fix the rule file")
-    for key, value in raw.items():
-        if key in OPTIONAL and not isinstance(value, OPTIONAL[key]):
-            raise RuleError(f"{where}: rule {rid}: key {key!r} must be a {OPTIONAL[key].__name__}",
-                            hint="fix the rule file")
-        if key not in REQUIRED and key not in OPTIONAL:
-            raise RuleError(f"{where}: rule {rid}: unknown key {key!r}",
-                            hint="allowed keys: " + ", ".join([*REQUIRED, *OPTIONAL]))
-    if raw["family"] not in FAMILIES:
-        raise RuleError(f"{where}: rule {rid}: key 'family' is {raw['family']!r}", hint=f"use one of {', '.join(FAMILIES)}")
-    for key in ("severity", "upcast_severity"):
-        if key in raw and raw[key] not in SEVERITIES + (("off",) if key == "upcast_severity" else ()):
-            raise RuleError(f"{where}: rule {rid}: key {key!r} is {raw[key]!r}", hint=f"use one of {', '.join(SEVERITIES)}")
+def _rule_of(raw: dict, where: str, matchers, shared: dict, op_sets: dict) -> Rule:
+    at = f"{where}: rule {raw.get('id', '?')}"
+    check_required(raw, at)
     m = matchers.get(raw["matcher"])
     if m is None:
-        raise RuleError(f"{where}: rule {rid}: key 'matcher' names unknown matcher {raw['matcher']!r}",
+        raise RuleError(f"{at}: key 'matcher' names unknown matcher {raw['matcher']!r}",
                         hint=f"use one of {', '.join(sorted(matchers))}")
-    _check_templates(raw, f"{where}: rule {rid}", m)
-    _fix_entry(raw, "autofix", f"{where}: rule {rid}", example="island", what="fix")
-    _fix_entry(raw, "source_fix", f"{where}: rule {rid}", example="upcast_op", what="edit")
-    for name, variant in raw.get("variants", {}).items():
-        at = f"{where}: rule {rid}: variant {name!r}"
-        if not isinstance(variant, dict):
-            raise RuleError(f"{at} must be a table", hint=f"write [rule.variants.{name}] with keys "
-                            + ", ".join(VARIANT_KEYS))
-        for key, value in variant.items():
-            if key not in VARIANT_KEYS or not isinstance(value, VARIANT_KEYS[key]):
-                raise RuleError(f"{at}: key {key!r} is not allowed or not a string",
-                                hint="a variant may set " + ", ".join(VARIANT_KEYS))
-        if variant.get("severity", "info") not in SEVERITIES + ("off",):
-            raise RuleError(f"{at}: key 'severity' is {variant['severity']!r}",
-                            hint=f"use one of {', '.join(SEVERITIES)} or off")
-        _check_templates(variant, at, m)
-    params = {k: v for k, v in raw.items() if k not in REQUIRED and k not in ("fix", "references")}
+    raw = {**shared.get(m.name, {}), **raw}
+    params = check_rule(raw, at, m)
+    for key, spec in m.params.items():
+        if spec == OPS and key in params:
+            params[key] = _expand(params[key], op_sets, f"{at}: key {key!r}")
     return Rule(id=raw["id"], name=raw["name"], family=raw["family"], severity=raw["severity"], matcher=raw["matcher"],
                 message=raw["message"], why=raw["why"], fix=raw.get("fix"), references=tuple(raw.get("references", [])),
                 params=params, origin=where)
 
 
-def _check_templates(raw: dict, at: str, m) -> None:
-    for key in ("message", "fix", "why"):
-        if key in raw:
-            try:
-                unknown = _placeholders(raw[key]) - m.fields
-            except ValueError as exc:
-                raise RuleError(f"{at}: key {key!r} is not a valid template: {exc}",
-                                hint="escape braces as {{ and }}") from exc
-            if unknown:
-                raise RuleError(f"{at}: key {key!r} uses unknown field(s) {sorted(unknown)}",
-                                hint=f"matcher {m.name} provides: {', '.join(sorted(m.fields))}")
+def _expand(ops: list[str], op_sets: dict[str, tuple[list[str], str]], at: str) -> list[str]:
+    """``ops`` with each "@set" replaced by that op set's ops, in order, without repeats."""
+    out: list[str] = []
+    for op in ops:
+        if op.startswith("@"):
+            if op[1:] not in op_sets:
+                raise RuleError(f"{at} names unknown op set {op!r}",
+                                hint="define it in a rule file's [op_sets]: " + (", ".join(sorted(op_sets)) or "none yet"))
+            members = op_sets[op[1:]][0]
+        else:
+            members = [op]
+        out += [o for o in members if o not in out]
+    return out
+
+
+def _file_tables(path: Path, data: dict, matchers, op_sets: dict) -> dict:
+    """Check a rule file's top-level keys, add its ``[op_sets]`` to ``op_sets``; its ``[params.<matcher>]``."""
+    for key in data:
+        if key not in FILE_KEYS:
+            raise RuleError(f"{path.name}: unknown top-level key {key!r}",
+                            hint="a rule file holds [[rule]] tables, [op_sets] and [params.<matcher>]")
+    if not isinstance(data.get("rule", []), list) or not all(isinstance(r, dict) for r in data.get("rule", [])):
+        raise RuleError(f"{path.name}: 'rule' must be an array of tables ([[rule]])", hint="fix the rule file")
+    for key in ("op_sets", "params"):
+        if not isinstance(data.get(key, {}), dict):
+            raise RuleError(f"{path.name}: {key!r} must be a table ([{key}])", hint="fix the rule file")
+    for name, ops in data.get("op_sets", {}).items():
+        if name in op_sets:
+            raise RuleError(f"{path.name}: op set {name!r} already defined in {op_sets[name][1]}",
+                            hint="give each op set a unique name")
+        check_param(ops, OPS, f"{path.name}: op_sets", name)
+        op_sets[name] = (ops, path.name)
+    shared = data.get("params", {})
+    for name, table in shared.items():
+        m = matchers.get(name)
+        if m is None or not isinstance(table, dict):
+            raise RuleError(f"{path.name}: [params.{name}] names no matcher", hint=f"use one of {', '.join(sorted(matchers))}")
+        for key, value in table.items():
+            if key not in m.params:
+                raise RuleError(f"{path.name}: [params.{name}]: unknown key {key!r}",
+                                hint=f"matcher {name} reads " + (", ".join(sorted(m.params)) or "no parameters"))
+            check_param(value, m.params[key], f"{path.name}: [params.{name}]", key)
+    return shared
 
 
 def _rule_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise RuleError(f"rules folder not found: {folder}", hint="pass an existing folder to --rules")
-    # rules/*.toml holds rules only; the tables the matchers read live in rules/policy/.
+    # rules/*.toml holds rules (with their op sets and shared parameters); run-wide tables live in rules/policy/.
     return sorted(folder.glob("*.toml"))
 
 
 def load_rules(extra_dirs: list[str | Path] = ()) -> list[Rule]:
-    """The built-in rules plus those in ``extra_dirs``; ids and names must be unique."""
+    """The built-in rules plus those in ``extra_dirs``; ids and names must be unique (whatever their case)."""
     matchers = load_builtin_matchers()
+    files = [(path, read_toml(path)) for folder in [rules_dir(), *map(Path, extra_dirs)] for path in _rule_files(folder)]
+    op_sets: dict[str, tuple[list[str], str]] = {}
+    shared = {path: _file_tables(path, data, matchers, op_sets) for path, data in files}
     rules: list[Rule] = []
     seen: dict[str, str] = {}
-    for folder in [rules_dir(), *map(Path, extra_dirs)]:
-        for path in _rule_files(folder):
-            data = read_toml(path)
-            entries = data.get("rule", [])
-            if not isinstance(entries, list):
-                raise RuleError(f"{path.name}: 'rule' must be an array of tables ([[rule]])", hint="fix the rule file")
-            for raw in entries:
-                rule = _validate(raw, path.name, matchers)
-                for key in (rule.id, rule.name):
-                    if key in seen:
-                        raise RuleError(f"{path.name}: rule {rule.id}: {key!r} already defined in {seen[key]}",
-                                        hint="give each rule a unique id and name")
-                    seen[key] = path.name
-                rules.append(rule)
+    for path, data in files:
+        for raw in data.get("rule", []):
+            rule = _rule_of(raw, path.name, matchers, shared[path], op_sets)
+            for key in (rule.id.upper(), rule.name.lower()):
+                if key in seen:
+                    raise RuleError(f"{path.name}: rule {rule.id}: {key!r} already defined in {seen[key]}",
+                                    hint="give each rule a unique id and name (case does not count)")
+                seen[key] = path.name
+            rules.append(rule)
     return rules
+
+
+def _names(rule: Rule, sel: str) -> bool:
+    """True when ``sel`` is the rule's id or a prefix of it (AMP2), its name, or its family; any case."""
+    sel = sel.strip()
+    return bool(sel) and (rule.id.upper().startswith(sel.upper()) or sel.lower() in (rule.name.lower(), rule.family))
 
 
 def find_rule(rules: list[Rule], key: str) -> Rule:
     for rule in rules:
-        if key in (rule.id, rule.name) or key.upper() == rule.id:
+        if key.strip().upper() == rule.id.upper() or key.strip().lower() == rule.name.lower():
             return rule
     raise RuleError(f"unknown rule {key!r}", hint="list the rules with: ampaudit rules")
 
 
 def rule_selected(rule: Rule, select: list[str] | None, ignore: list[str] | None) -> bool:
-    """ruff-style selection: a code, a code prefix (AMP2), a rule name or a family name."""
+    """ruff-style selection: a code, a code prefix (AMP2), a rule name or a family name, in any case; ALL."""
 
     def matches(sel: str) -> bool:
-        sel = sel.strip()
-        return bool(sel) and (rule.id.startswith(sel.upper()) or sel in (rule.name, rule.family) or sel == "ALL")
+        return sel.strip().upper() == "ALL" or _names(rule, sel)
 
     if select and not any(matches(s) for s in select):
         return False
@@ -197,7 +186,7 @@ def validate_selectors(rules: list[Rule], selectors: list[str] | None, option: s
     """Each --select/--ignore entry must name something, so a typo is an error and not a silent no-op."""
     for sel in selectors or []:
         sel = sel.strip()
-        if sel == "ALL" or sel in FAMILIES:
+        if sel.upper() == "ALL" or sel.lower() in FAMILIES:
             continue
-        if not any(r.id.startswith(sel.upper()) or r.name == sel for r in rules):
+        if not any(_names(r, sel) for r in rules):
             raise RuleError(f"{option} {sel!r} matches no rule", hint="see ampaudit rules for ids, names and families")

@@ -1,14 +1,18 @@
 """Matchers: the named Python behind each data rule, registered by decorator.
 
-    @matcher("linear_dims", fields={"kind", "shape", "dim", "value", "multiple", "padded", "gemms"})
+    @matcher("linear_dims", fields={"kind", "shape", "dim", "value", "multiple", "padded", "gemms", "share"},
+             params={"min_share": float}, variants={"small"}, nullable={"share"})
     def linear_dims(ctx: MatchContext, rule: Rule) -> Iterator[Hit]: ...
 
-A rule file names its matcher (``matcher = "linear_dims"``); at load time every ``{field}`` of the rule's message
-and fix must be one the matcher declares, so a typo is an error naming the file and key, not a crash mid-audit.
+A matcher declares what a rule using it may say (:class:`Matcher`): the parameters it reads (a type, or a tuple
+of the allowed values), the variants its hits name, the fields its messages may use and which of those can be
+unknown (None in the JSON, "?" in the text: no format spec may apply to them). The rule loader checks a rule file
+against that declaration at load, so a typo is one error naming the file, rule and key, not a crash mid-audit.
 """
 from __future__ import annotations
 
-import warnings
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -18,9 +22,20 @@ import torch.fx as fx
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.graph_meta import SourceLoc, owner
 from ampaudit.policy import Policy
+from ampaudit.registry import Registry
 
-# Fields every hit has, whatever its matcher.
-COMMON_FIELDS = {"op", "module", "device", "dtype", "low"}
+# Fields every hit has, whatever its matcher: where it is, the target, and the limits of the target's
+# low-precision dtype (:func:`limit_fields`: ``max`` 65504 for fp16, the largest value whose square fits
+# ``max_sqrt`` 256, whose cube ``max_cbrt`` 40.3, the largest input exp takes ``max_log`` 11.1, the smallest
+# input 1/x takes ``max_inv`` 1.5e-5). A matcher whose hits judge another dtype provides its own ``max``.
+COMMON_FIELDS = {"op", "module", "device", "dtype", "low", "max", "max_sqrt", "max_cbrt", "max_log", "max_inv"}
+
+
+def limit_fields(dtype: torch.dtype) -> dict[str, float]:
+    """The limits of ``dtype`` a message may name (see COMMON_FIELDS), from torch.finfo."""
+    big = float(torch.finfo(dtype).max)
+    return {"max": big, "max_sqrt": math.sqrt(big), "max_cbrt": big ** (1 / 3), "max_log": math.log(big),
+            "max_inv": 1 / big}
 
 
 @dataclass
@@ -66,31 +81,41 @@ class MatchContext:
 
 @dataclass(frozen=True)
 class Matcher:
+    """A matcher and what a rule using it may say. Its messages may name ``fields`` and the rule's own scalar
+    parameters (``{min_depth}``: :meth:`param_fields`)."""
+
     name: str
     fn: Callable[[MatchContext, Any], Iterator[Hit]]
     fields: frozenset[str]
+    params: dict = dataclasses.field(default_factory=dict)   # key -> type, or tuple of allowed values
+    variants: frozenset[str] = frozenset()                   # the variant names its hits may carry
+    nullable: frozenset[str] = frozenset()                   # fields that may be unknown ("?")
+    required: frozenset[str] = frozenset()                   # params a rule (or its file's [params]) must set
+
+    def param_fields(self) -> frozenset[str]:
+        """The parameters whose value is one number or word, which a message may name like a field."""
+        return frozenset(k for k, spec in self.params.items() if spec in (int, float, str) or isinstance(spec, tuple))
 
 
-MATCHERS: dict[str, Matcher] = {}
+MATCHERS: Registry = Registry("matcher", providers=tuple(
+    f"ampaudit.rules.matchers.{m}" for m in ("alignment", "calibrated", "constants", "integers", "normalization",
+                                            "running_sums", "sensitive", "decisions")))
 
 
-def matcher(name: str, *, fields: set[str]) -> Callable:
-    """Register ``fn`` as the matcher ``name``; ``fields`` are the names its hits put in ``details``."""
-
-    def register(fn: Callable) -> Callable:
-        if name in MATCHERS:
-            warnings.warn(f"matcher {name!r} registered twice; the later one wins", stacklevel=2)
-        MATCHERS[name] = Matcher(name, fn, frozenset(fields) | COMMON_FIELDS)
-        return fn
-
-    return register
+def matcher(name: str, *, fields: set[str], params: dict | None = None, variants: set[str] = frozenset(),
+            nullable: set[str] = frozenset(), required: set[str] = frozenset()) -> Callable:
+    """Register ``fn`` as the matcher ``name``: ``fields`` are the names its hits put in ``details``,
+    ``params`` the rule keys it reads (a type, or a tuple of allowed values; an op list is ``OPS``) and
+    ``required`` those it has no default for, ``variants`` the variant names its hits name, ``nullable`` the
+    fields it may leave unknown (None)."""
+    return MATCHERS.register(name, lambda fn: Matcher(name, fn, frozenset(fields) | COMMON_FIELDS, dict(params or {}),
+                                                      frozenset(variants), frozenset(nullable), frozenset(required)))
 
 
-def load_builtin_matchers() -> dict[str, Matcher]:
-    """Import the built-in matcher modules (each registers itself) and return the registry."""
-    from ampaudit.rules.matchers import (  # noqa: F401
-        alignment, calibrated, constants, integers, normalization, running_sums, sensitive,
-    )
-    from ampaudit.rules.matchers import decisions  # noqa: F401  (AMP702: decisions flipped by precision)
+# A parameter that lists op names: plain names, or "@set" for an op set of the rule files ([op_sets]).
+OPS = "ops"
 
-    return MATCHERS
+
+def load_builtin_matchers() -> Registry:
+    """The registry of matchers, the built-in ones registered (each module registers itself on import)."""
+    return MATCHERS.load()

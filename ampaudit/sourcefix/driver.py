@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ampaudit.errors import RuleError
 from ampaudit.findings import SEVERITY_RANK, Finding
 from ampaudit.rules.engine import ignores
 from ampaudit.sourcefix.cst_tools import Source
@@ -71,16 +70,6 @@ def source_fix_of(rule) -> dict:
     return rule.source_fix if rule is not None else {"kind": "none"}
 
 
-def check_kinds(rules) -> None:
-    fixers = load_builtin_fixers()
-    unknown = {r.id: source_fix_of(r)["kind"] for r in rules if source_fix_of(r)["kind"] not in fixers
-               and source_fix_of(r)["kind"] != "none"}
-    if unknown:
-        raise RuleError(f"rule(s) {', '.join(sorted(unknown))} ask for source fix kind(s) "
-                        f"{', '.join(sorted(set(unknown.values())))}, which no source fixer has",
-                        hint=f"use one of {', '.join(sorted(fixers))} or none in the rule's source_fix")
-
-
 def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict | None = None,
                texts: dict[str, str] | None = None, unsafe: bool = False,
                canon: Callable[[str], str] = lambda p: p, inputs: dict | None = None,
@@ -92,7 +81,6 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
     ``named`` are the rules whose info findings are fixed too (:func:`named_rules`).
     """
     fixers = load_builtin_fixers()
-    check_kinds(rules)
     by_id = {r.id: r for r in rules}
     rule_names = {r.id: r.name for r in rules}
     plan = Plan()

@@ -2,7 +2,7 @@
 
     source_fix = {kind = "upcast_op", safety = "safe", dtype_ops = ["softmax"], cast_back = true}   # rules/*.toml
 
-    @source_fixer("upcast_op")
+    @source_fixer("upcast_op")           # its parameters: rules/policy/fixes.toml [source_fix]
     def upcast_op(ctx: FixContext) -> list[Edit] | Refusal: ...
 
 A fixer reads one finding (``ctx.finding``) and the parsed file its line is in (``ctx.src``), and returns the edits
@@ -13,11 +13,11 @@ where it is and run first; "block" edits (new ``with`` blocks) run last, bottom 
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ampaudit.findings import Finding
+from ampaudit.registry import Registry
 from ampaudit.sourcefix.cst_tools import Source
 
 
@@ -110,26 +110,19 @@ class SourceFixer:
     needs_inputs: bool = False                   # the driver probes the module's forward inputs first
 
 
-SOURCE_FIXERS: dict[str, SourceFixer] = {}
+SOURCE_FIXERS: Registry = Registry("source fixer", providers=("ampaudit.sourcefix.fixers_expr",
+                                                              "ampaudit.sourcefix.fixers_block"))
 
 
 def source_fixer(kind: str, *, needs_inputs: bool = False) -> Callable:
-    """Register ``fn`` as the source fixer of ``kind`` (the ``source_fix.kind`` rules name)."""
-
-    def register(fn: Callable) -> Callable:
-        if kind in SOURCE_FIXERS:
-            warnings.warn(f"source fixer {kind!r} registered twice; the later one wins", stacklevel=2)
-        SOURCE_FIXERS[kind] = SourceFixer(kind, fn, needs_inputs)
-        return fn
-
-    return register
+    """Register ``fn`` as the source fixer of ``kind`` (the ``source_fix.kind`` rules name; its parameters are
+    declared in rules/policy/fixes.toml, which the rule loader checks rule files against)."""
+    return SOURCE_FIXERS.register(kind, lambda fn: SourceFixer(kind, fn, needs_inputs))
 
 
-def load_builtin_fixers() -> dict[str, SourceFixer]:
-    """Import the modules that register the built-in fixers; the registry by kind."""
-    from ampaudit.sourcefix import fixers_block, fixers_expr  # noqa: F401  (registration)
-
-    return SOURCE_FIXERS
+def load_builtin_fixers():
+    """The registry of source fixers by kind, the built-in ones registered."""
+    return SOURCE_FIXERS.load()
 
 
 def keep_fp32_instead(module: str | None, where: str = "") -> str:

@@ -17,6 +17,8 @@ from ampaudit.policy import round_up
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 FIELDS = {"kind", "shape", "dim", "value", "multiple", "padded", "gemms", "share"}
+# min_share: a GEMM under this share of the model's GEMM work is the rule's "small" variant.
+PARAMS = {"min_share": float}
 
 _LINEAR_OPS = ("linear", "addmm", "mm", "matmul")
 _LINEAR_GEMMS = {"in_features": "forward K, dgrad M, wgrad M", "out_features": "forward M, dgrad K, wgrad N"}
@@ -43,7 +45,7 @@ def _hits(node: fx.Node, kind: str, shape: str, dims: list[tuple[str, int, str]]
                   variant="small" if small else None)
 
 
-@matcher("linear_dims", fields=FIELDS)
+@matcher("linear_dims", fields=FIELDS, params=PARAMS, variants={"small"}, nullable={"share"})
 def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
@@ -66,7 +68,7 @@ def linear_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
                           ("out_features", fout, _LINEAR_GEMMS["out_features"])], ctx.policy.alignment, ctx, rule)
 
 
-@matcher("conv_channels", fields=FIELDS)
+@matcher("conv_channels", fields=FIELDS, params=PARAMS, variants={"small", "image_input"}, nullable={"share"})
 def conv_channels(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
@@ -113,7 +115,7 @@ def _shape(value) -> tuple | None:
     return getattr(value.meta.get(AMP_KEY), "shape", None) if isinstance(value, fx.Node) else None
 
 
-@matcher("embedding_dims", fields=FIELDS)
+@matcher("embedding_dims", fields=FIELDS, nullable={"share"})
 def embedding_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         if node.meta[AMP_KEY].op not in ("embedding", "embedding_bag", "_embedding_bag"):
@@ -155,7 +157,7 @@ def _einsum_hits(ctx: MatchContext, node: fx.Node, rule) -> Iterator[Hit]:
                      ctx, rule)
 
 
-@matcher("matmul_dims", fields=FIELDS)
+@matcher("matmul_dims", fields=FIELDS, params=PARAMS, variants={"small"}, nullable={"share"})
 def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]
@@ -184,7 +186,7 @@ def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
         yield from _hits(node, kind, shape, dims, ctx.policy.alignment, ctx, rule)
 
 
-@matcher("rnn_dims", fields=FIELDS)
+@matcher("rnn_dims", fields=FIELDS, params=PARAMS, variants={"small"}, nullable={"share"})
 def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         if not _runs_low(ctx, node):
@@ -198,7 +200,7 @@ def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
                          ctx, rule)
 
 
-@matcher("gemm_tokens", fields=FIELDS)
+@matcher("gemm_tokens", fields=FIELDS, nullable={"share"})
 def gemm_tokens(ctx: MatchContext, rule) -> Iterator[Hit]:
     """The rows fed to Linear GEMMs, once per distinct value: it is a property of the batch, not of a layer."""
     seen: set[int] = set()

@@ -16,7 +16,6 @@ from typing import Iterator
 import torch
 
 from ampaudit.graph_meta import SourceLoc
-from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
@@ -41,7 +40,8 @@ def _own(cal, module: str, flagged) -> bool:
     return not any(other != module and other.startswith(prefix) and flagged(other) for other in cal.modules)
 
 
-@matcher("calibrated_nonfinite", fields={"kind", "error", "source", "phase"})
+@matcher("calibrated_nonfinite", fields={"kind", "error", "source", "phase"}, params={"check": ("nonfinite", "error")},
+         variants={"dtypes"})
 def calibrated_nonfinite(ctx: MatchContext, rule) -> Iterator[Hit]:
     cal = ctx.calibration
     if cal is None:
@@ -68,21 +68,17 @@ def _range_rows(ctx: MatchContext) -> Iterator[tuple[str, dict]]:
         yield name, cal.modules[name]
 
 
-@matcher("calibrated_range", fields={"what", "absmax", "max", "headroom", "share", "flush", "extra"})
+@matcher("calibrated_range", fields={"what", "absmax", "max", "headroom", "share", "flush", "extra"},
+         params={"check": ("overflow", "headroom", "underflow"), "headroom_warning_bits": float,
+                 "underflow_warning": float}, required={"headroom_warning_bits", "underflow_warning"})
 def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
     cal = ctx.calibration
     if cal is None:
         return
-    cfg = settings()["calibration"]
     tmax = float(torch.finfo(cal.policy.low).max)
     check = rule.param("check", "overflow")
     dtype = str(cal.policy.low).replace("torch.", "")
-    tests = {
-        "overflow": lambda r: (r.get("overflow") or 0) > 0,
-        "headroom": lambda r: not (r.get("overflow") or 0) and r.get("headroom_bits", 99) < cfg["headroom_warning_bits"],
-        "underflow": lambda r: r.get("underflow_share", 0) >= cfg["underflow_warning"],
-    }
-    test = tests[check]
+    test = _range_test(rule, check)
     hits: list[tuple[int, Hit]] = []
     for i, (name, row) in enumerate(_range_rows(ctx)):
         if test(row) and _own(cal, name, lambda other: test(cal.modules[other])):
@@ -105,6 +101,18 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
         yield hit
 
 
+def _range_test(rule, check: str):
+    """Which calibration rows ``check`` flags: any overflow; under ``headroom_warning_bits`` of headroom; at least
+    ``underflow_warning`` of the nonzero outputs below the smallest normal (the rule's parameters)."""
+    if check == "overflow":
+        return lambda r: (r.get("overflow") or 0) > 0
+    if check == "headroom":
+        bits = float(rule.params["headroom_warning_bits"])
+        return lambda r: not (r.get("overflow") or 0) and r.get("headroom_bits", 99) < bits
+    share = float(rule.params["underflow_warning"])
+    return lambda r: r.get("underflow_share", 0) >= share
+
+
 def first_jump(cal, found) -> str | None:
     """The first culprit in execution order (innermost first): where the model's error first shows."""
     from ampaudit.runtime.attribution import first_crossing
@@ -123,7 +131,8 @@ def own_errors(cal) -> tuple[dict[str, float | None], bool]:
     return {n: cal.modules[n].get("rel_l2") for n in cal.order}, True
 
 
-@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs", "units", "rank", "jump", "verdict"})
+@matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs", "units", "rank", "jump", "verdict"},
+         variants={"relative"})
 def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Modules whose own error is beyond what the dtype's rounding explains, or an outlier among the model's own
     errors (:mod:`ampaudit.runtime.attribution`, the same verdict ``ampaudit report`` gives), worst first: the

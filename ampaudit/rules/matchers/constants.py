@@ -1,8 +1,8 @@
 """Constants the op's compute dtype cannot hold: -1e9 / finfo(float32).min masks, eps below fp16's subnormals.
 
 Two kinds of constant are judged: the numbers a listed op takes (``x + 1e-8``, ``masked_fill(m, -1e9)``), and the
-parameters named in rules/policy/settings.toml ``[constants] default_params`` (``eps``) of the functions and modules
-in ``[constants.eps_used_in]``, whether the caller wrote them or left the default (``F.normalize(x)`` has
+parameters named in the rule's ``default_params`` (``eps``) of the functions and modules in its ``eps_used_in``
+(``[params.constants]`` in rules/constants.toml), whether the caller wrote them or left the default (``F.normalize(x)`` has
 eps=1e-12). A parameter is judged in the dtype the function really uses it in: F.normalize clamps the norm with its
 eps, so on CUDA, where norm has an fp32 output, 1e-12 is safe; layer_norm adds its eps inside an fp32 kernel.
 """
@@ -17,10 +17,15 @@ from torch.utils._pytree import tree_flatten
 
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.dtypes import name_of
-from ampaudit.policy import DTypeLimits, settings
-from ampaudit.rules.registry import Hit, MatchContext, matcher
+from ampaudit.policy import DTypeLimits
+from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"value", "as_low", "compute_dtype", "max", "subnormal", "normal", "consequence", "origin", "param"}
+# ops: the ops whose scalar arguments are judged; raising: those that write the constant into a tensor of their
+# dtype and raise when it does not fit; default_params / eps_used_in: the parameters judged, and where each
+# function uses them.
+PARAMS = {"check": ("overflow", "underflow", "subnormal"), "ops": OPS, "raising": OPS, "default_params": list,
+          "eps_used_in": dict}
 _NO_DEFAULT = object()
 
 
@@ -47,9 +52,10 @@ def _consequence(check: str, op: str, raising: set[str]) -> str:
     return ""
 
 
-@matcher("constants", fields=FIELDS)
+@matcher("constants", fields=FIELDS, params=PARAMS, variants={"default"},
+         required={"ops", "raising", "default_params", "eps_used_in"})
 def constants(ctx: MatchContext, rule) -> Iterator[Hit]:
-    cfg = settings()["constants"]
+    cfg = rule.params
     ops, raising = set(cfg["ops"]), set(cfg["raising"])
     want = rule.param("check", "overflow")
     for node in ctx.nodes():
@@ -88,7 +94,7 @@ def _details(value: float, lim: DTypeLimits, consequence: str, origin: str = "",
 
 
 def _parameter_constants(ctx: MatchContext, cfg: dict, want: str) -> Iterator[Hit]:
-    """The eps of the functions and modules listed in ``[constants.eps_used_in]``, given or defaulted."""
+    """The eps of the functions and modules listed in the rule's ``eps_used_in``, given or defaulted."""
     used_in = cfg.get("eps_used_in", {})
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]

@@ -1,12 +1,12 @@
 """Integer-valued tensors (positions, step counts, token counters) held in fp16/bf16 past the integers the dtype
 represents exactly: 2 ** (mantissa bits + 1), 2048 for fp16 and 256 for bf16 (from ``torch.finfo``).
 
-    values = fold_integers(ctx)        # {node: float64 tensor of the exact values it holds}
+    values = fold_integers(ctx, rule.params)   # {node: float64 tensor of the exact values it holds}
     exact_limit(torch.bfloat16)        # 256
 
 Nothing is guessed: a tensor is folded from ``arange`` (its arguments, the ints the graph computed from shapes
 included, and the length of its fake output) or from a constant tensor / buffer whose data are integers, then through
-the carriers, casts and integer arithmetic of rules/policy/settings.toml ``[integers]``, each op run again on the
+the carriers, casts and integer arithmetic the rule lists (AMP404 in rules/constants.toml), each op run again on the
 folded values in float64. A finding needs a folded value the target dtype really rounds (4001 is 4000 in fp16), at
 the first node that holds it in that dtype: created there (``arange(n, dtype=x.dtype)``), cast there
 (``.type_as(x)``, ``.half()``), or taken as a number by an op that computes in it (``pos * freq`` with ``freq``
@@ -24,10 +24,10 @@ from torch.utils._pytree import tree_map
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.opaque import user_function
 from ampaudit.dtypes import name_of
-from ampaudit.policy import settings
-from ampaudit.rules.registry import Hit, MatchContext, matcher
+from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"value", "exact", "example", "rounded", "error", "compute_dtype", "how"}
+PARAMS = {"sources": OPS, "carriers": OPS, "casts": OPS, "arithmetic": OPS, "uses_values": OPS, "max_elements": int}
 # Keyword arguments that say where or how a tensor lives, not what values it holds: dropped when folding.
 _PLACEMENT = ("dtype", "device", "layout", "pin_memory", "requires_grad", "memory_format", "non_blocking", "copy")
 
@@ -94,9 +94,9 @@ def _constant(ctx: MatchContext, node: fx.Node, limit: int) -> torch.Tensor | No
     return data if bool(torch.all(data == data.round())) else None
 
 
-def fold_integers(ctx: MatchContext) -> dict[fx.Node, torch.Tensor]:
-    """Every node whose values are integers the audit can compute exactly, with those values (float64)."""
-    cfg = settings()["integers"]
+def fold_integers(ctx: MatchContext, cfg: dict) -> dict[fx.Node, torch.Tensor]:
+    """Every node whose values are integers the audit can compute exactly, with those values (float64); ``cfg``:
+    the rule's op lists (sources, carriers, casts, arithmetic) and max_elements."""
     carriers, casts, arith = set(cfg["carriers"]), set(cfg["casts"]), set(cfg["arithmetic"])
     sources = set(cfg["sources"])
     limit = int(cfg["max_elements"])
@@ -149,13 +149,13 @@ def _divides(user: fx.Node, held: fx.Node) -> bool:
 
 
 
-@matcher("integer_values", fields=FIELDS)
+@matcher("integer_values", fields=FIELDS, params=PARAMS, variants={"divisor"}, required=set(PARAMS))
 def integer_values(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Folded integers rounded by the dtype they are held in (judged where an op takes them, reported where they
     became low), or by an op that takes them as numbers and computes in a low dtype."""
-    cfg = settings()["integers"]
+    cfg = rule.params
     uses = set(cfg["uses_values"])
-    values = fold_integers(ctx)
+    values = fold_integers(ctx, cfg)
     low = {n for n in values if ctx.is_low(n.meta[AMP_KEY].dtype)}
     origin: dict[fx.Node, fx.Node] = {}                                  # held low -> where it became low
     taken: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = {}            # origin -> (held node, the op taking it)

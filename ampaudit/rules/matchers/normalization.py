@@ -13,9 +13,6 @@ from ampaudit.graph_meta import module_of
 from ampaudit.policy import kernel_hazard
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
-_SQUARE_OPS = {"pow", "square", "mul"}
-
-
 def _is_square(node) -> bool:
     if not isinstance(node, fx.Node) or AMP_KEY not in node.meta:
         return False
@@ -27,7 +24,7 @@ def _is_square(node) -> bool:
     return op == "mul" and len(node.args) == 2 and node.args[0] is node.args[1]
 
 
-@matcher("handwritten_norm", fields={"kind", "compute_dtype"})
+@matcher("handwritten_norm", fields={"kind", "compute_dtype"}, variants={"accumulates"})
 def handwritten_norm(ctx: MatchContext, rule) -> Iterator[Hit]:
     for node in ctx.nodes():
         info = node.meta[AMP_KEY]

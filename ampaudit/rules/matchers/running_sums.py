@@ -9,7 +9,7 @@ window sum. The kernel accumulates in fp32 (rules/policy/kernels.toml); only the
 the node's output dtype decides (CUDA autocast gives cumsum an fp32 output).
 
 A warning needs the bound to be proven: the window from the slices, and terms of one sign from the op that makes
-them (rules/policy/settings.toml ``[running_sums] nonnegative``); otherwise the finding is an info that says what
+them (the rule's ``nonnegative`` ops, AMP206 in rules/sensitive_ops.toml); otherwise the finding is an info that says what
 the bound would be.
 """
 from __future__ import annotations
@@ -21,12 +21,10 @@ import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.dtypes import name_of
-from ampaudit.policy import settings
-from ampaudit.rules.registry import Hit, MatchContext, matcher
+from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"compute_dtype", "depth", "window", "error_note", "cumulative"}
 _SUBTRACT = ("sub", "rsub")
-_BIG = 2 ** 62  # slice ends past the tensor (aten writes INT64_MAX)
 
 
 def _norm_dim(dim, ndim: int) -> int | None:
@@ -143,10 +141,12 @@ def _nonnegative(node, ops: set[str], depth: int = 0) -> bool:
     return False
 
 
-@matcher("running_sum_difference", fields=FIELDS)
+@matcher("running_sum_difference", fields=FIELDS, nullable={"window"}, variants={"small", "unproven"},
+         params={"ops": OPS, "carriers": OPS, "nonnegative": OPS, "warning_error": float},
+         required={"ops", "carriers", "nonnegative", "warning_error"})
 def running_sum_difference(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Subtractions of two parts of one low-precision cumsum (rule param ``ops``: the cumulative ops)."""
-    cfg = settings()["running_sums"]
+    cfg = rule.params
     carriers, nonneg = set(cfg["carriers"]), set(cfg["nonnegative"])
     cums: dict[fx.Node, int] = {}
     for node in ctx.nodes():

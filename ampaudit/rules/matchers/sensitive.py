@@ -3,6 +3,8 @@
 Severity follows the policy and the kernel: an op the target's autocast leaves in fp16/bf16 gets the rule's
 severity when its result can really overflow or lose its input's precision there, and the rule's ``accumulates``
 variant (info) when the kernel accumulates in fp32 and only the stored result is low (rules/policy/kernels.toml);
+a sum of fewer than the rule's ``min_depth`` terms (its ``depth_ops``) is the ``short`` variant, and a norm of the
+rule's ``half_params_ops`` whose own parameters are half the ``half_params`` variant;
 an op autocast upcasts to fp32 gets ``upcast_severity`` (info: safe, at the cost of a cast), or nothing when that
 is "off".
 """
@@ -16,10 +18,12 @@ from torch import nn
 
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.dtypes import name_of
-from ampaudit.policy import kernel_hazard, kernels
-from ampaudit.rules.registry import Hit, MatchContext, matcher
+from ampaudit.policy import kernel_hazard
+from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"compute_dtype", "depth", "policy_note", "overflow_note", "per_term"}
+PARAMS = {"ops": OPS, "upcast_severity": ("info", "warning", "error", "off"), "depth_ops": OPS, "min_depth": int,
+          "half_params_ops": OPS}
 
 
 def _dim_arg(node: fx.Node):
@@ -77,7 +81,8 @@ def _overflow_note(ctx: MatchContext, node: fx.Node) -> str:
     return ""
 
 
-@matcher("reduced_precision_op", fields=FIELDS)
+@matcher("reduced_precision_op", fields=FIELDS, params=PARAMS, nullable={"depth", "per_term"},
+         variants={"accumulates", "short", "half_params", "upcast"}, required={"ops"})
 def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Listed ops whose arithmetic the target leaves in fp16/bf16, named by what the kernel then really risks
     (rules/policy/kernels.toml): the rule's own severity for a range or conditioning hazard, its variants
@@ -98,20 +103,20 @@ def reduced_precision_op(ctx: MatchContext, rule) -> Iterator[Hit]:
         if ctx.is_low(info.compute_dtype):
             if info.category is None and ctx.policy.device == "cpu" and ctx.policy.table and _upcast_on_cuda(info.op):
                 details["policy_note"] = " (CPU autocast leaves it there; CUDA autocast would upcast it)"
-            yield Hit(node, details, variant=_variant(ctx, node, info, depth))
+            yield Hit(node, details, variant=_variant(ctx, rule, node, info, depth))
         elif info.category in ("fp32", "fp32_output") and low_inputs and upcast_sev != "off":
             details["policy_note"] = f" ({ctx.policy.device.upper()} autocast upcasts it from {name_of(ctx.policy.low)}: safe, one cast)"
             yield Hit(node, details, severity=upcast_sev, variant="upcast")
 
 
-def _variant(ctx: MatchContext, node: fx.Node, info, depth: int | None) -> str | None:
-    k = kernels()
-    if info.op in k["half_params"] and _half_params(ctx, node):
+def _variant(ctx: MatchContext, rule, node: fx.Node, info, depth: int | None) -> str | None:
+    if info.op in rule.param("half_params_ops", ()) and _half_params(ctx, node):
         return "half_params"
     hazard = kernel_hazard(info.op, info.compute_dtype)
     if hazard == "storage":
         return "accumulates"
-    if hazard == "range" and info.op in k["depth_ops"] and depth is not None and depth < k["min_depth"]:
+    if hazard == "range" and info.op in rule.param("depth_ops", ()) and depth is not None \
+            and depth < rule.param("min_depth", 0):
         return "short"
     return None
 
