@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import torch
 import typer
 
-from click.core import ParameterSource
-
 from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import AmpAuditError, TrainError, UsageError
 from ampaudit.fileio import atomic_write
@@ -172,7 +170,8 @@ def _settings(ctx: typer.Context, flags: dict, path: Path | None) -> TrainConfig
         cfg = load_train_config(path, cfg)
     given = {}
     for name, value in flags.items():
-        if path is not None and ctx.get_parameter_source(name) is not ParameterSource.COMMANDLINE:
+        # by name: typer carries a click of its own, whose ParameterSource is not click.core's
+        if path is not None and getattr(ctx.get_parameter_source(name), "name", None) != "COMMANDLINE":
             continue
         if name == "clip_per_layer":
             value = "layer" if value else "norm"

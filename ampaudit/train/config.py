@@ -182,7 +182,7 @@ def load_train_config(path: Path, base: TrainConfig | None = None) -> TrainConfi
         with open(path, "rb") as fh:
             table = tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"no config file {path}", hint="pass --config FILE.toml with the run's settings") from None
+        raise ConfigError(f"no config file {path}", hint="give the path of a TOML file of the run's settings") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read it as TOML: {' '.join(str(exc).split())}",
                           hint="fix the file (TOML: key = value, one a line)") from None

@@ -168,17 +168,17 @@ class TrainerSetup:
         """Activation checkpointing, compile, then FSDP/DDP: the order of :mod:`ampaudit.train.transforms` (its
         first, a plan, is applied before the trainer is built)."""
         cfg = self.config
+        log = self.transforms = [t for t in transforms.applied(model) if t == "plan"]
         if cfg.checkpoint_activations:      # "auto" or class names; the recomputes run unwatched
             self._meta.setdefault("checkpoint_activations", transforms.checkpoint_activations(
-                model, cfg.checkpoint_activations, recompute_context=lambda: self.session.paused()))
+                model, cfg.checkpoint_activations, recompute_context=lambda: self.session.paused(), log=log))
         self._compiled = bool(cfg.compile)
         if self._compiled:
-            transforms.compile_model(model, cfg.compile)
+            transforms.compile_model(model, cfg.compile, log=log)
         self._wrapped = transforms.data_parallel(model, self.dist, self.device, fsdp=self.fsdp, units=units,
-                                                 dtype=self.dtype, reduce_dtype=self.reduce_dtype)
+                                                 dtype=self.dtype, reduce_dtype=self.reduce_dtype, log=log)
         # Every rank waits for the others before leaving the group while a wrapper or compiled graph may use it.
         self._sync_on_close = self._wrapped is not model or self._compiled
-        self.transforms = transforms.applied(model)
 
     def _build_step(self, model: nn.Module, factory: Callable) -> None:
         """Masters, optimizer, LR policy, scheduler, resource preflight, scaler, clip groups and the data stream."""

@@ -17,16 +17,19 @@ these change tensors and leaf modules, not the structure the transforms above se
     chosen = apply_plan(model, plan_data, device="cpu")        # 1 (ampaudit train does this)
     names = checkpoint_activations(model, "auto")              # 2
     compile_model(model, "aot_eager")                          # 3
-    wrapped = data_parallel(model, ctx, device, fsdp=False)    # 4
+    wrapped = data_parallel(model, ctx, device, fsdp=False)    # 4 (DDP under torchrun)
     applied(model)      # ["plan", "activation_checkpointing", "compile", "data_parallel"]
 
-Each function records its name on the model; applying one after a later one is a TrainError.
+Each function records its name in ``log`` (default: the model's own record, :func:`applied`); applying one after
+itself or a later one is a TrainError. The trainer keeps a log of its own (``trainer.transforms``), so a model
+trained twice goes through its transforms again.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn as nn
 
@@ -41,41 +44,46 @@ _applied: "weakref.WeakKeyDictionary[nn.Module, list[str]]" = weakref.WeakKeyDic
 
 
 def applied(model: nn.Module) -> list[str]:
-    """The transforms applied to ``model`` so far, in the order they were applied."""
+    """The transforms applied to ``model`` without a log of their own, in the order they were applied."""
     return list(_applied.get(model, []))
 
 
-def _record(model: nn.Module, name: str) -> None:
-    done = _applied.setdefault(model, [])
-    later = [d for d in done if ORDER.index(d) >= ORDER.index(name)]
+def _log_for(model: nn.Module, name: str, log: list[str] | None) -> list[str]:
+    """The list ``name`` goes into (``log``, else ``model``'s own record), once ``name`` may follow what it holds."""
+    log = _applied.setdefault(model, []) if log is None else log
+    later = [d for d in log if ORDER.index(d) >= ORDER.index(name)]
     if later:
         raise TrainError(f"the {name} transform cannot follow {later[0]}",
                          hint=f"transforms apply in the order {' -> '.join(ORDER)} (ampaudit.train.transforms)")
-    done.append(name)
+    return log
 
 
-def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device, pad: bool = False) -> dict:
+def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device, pad: bool = False,
+               log: list[str] | None = None) -> dict:
     """1. Convert ``model`` in place as ``plan`` says (:func:`ampaudit.planning.apply.apply_plan`); what changed."""
     from ampaudit.planning.apply import apply_plan as convert
 
+    log = _log_for(model, "plan", log)
     chosen = convert(model, plan, device=device, pad=pad)
-    _record(model, "plan")
+    log.append("plan")
     return chosen
 
 
 def checkpoint_activations(model: nn.Module, spec: str | Sequence[str], *,
-                           recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None
-                           ) -> list[str]:
+                           recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                           log: list[str] | None = None) -> list[str]:
     """2. Checkpoint the blocks ``spec`` names ("auto" or class names); their qualified names."""
+    log = _log_for(model, "activation_checkpointing", log)
     names = checkpoint_blocks(model, spec, recompute_context=recompute_context)
-    _record(model, "activation_checkpointing")
+    log.append("activation_checkpointing")
     return names
 
 
-def compile_model(model: nn.Module, backend: bool | str = True) -> None:
+def compile_model(model: nn.Module, backend: bool | str = True, *, log: list[str] | None = None) -> None:
     """3. ``torch.compile`` ``model``'s calls in place (``backend``: True for inductor, or a backend's name)."""
+    log = _log_for(model, "compile", log)
     model.compile(**({"backend": backend} if isinstance(backend, str) else {}))
-    _record(model, "compile")
+    log.append("compile")
 
 
 def eager() -> contextlib.AbstractContextManager:
@@ -85,16 +93,17 @@ def eager() -> contextlib.AbstractContextManager:
 
 def data_parallel(model: nn.Module, ctx: ddp.DistContext, device: torch.device, *, fsdp: bool,
                   units: Sequence[tuple[str, nn.Module]] = (), dtype: torch.dtype = torch.float32,
-                  reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+                  reduce_dtype: torch.dtype = torch.float32, log: list[str] | None = None) -> nn.Module:
     """4. Shard ``model`` in place with FSDP2 (``units``, then the root) or wrap it in DDP when distributed;
     the module to call (``model`` itself when nothing wraps it)."""
+    log = _log_for(model, "data_parallel", log)
     if fsdp:
         fsdp_lib.shard(model, units, dtype=dtype, reduce_dtype=reduce_dtype)
         wrapped = model
     else:
         wrapped = ddp.wrap(model, ctx, device)
     if fsdp or wrapped is not model:
-        _record(model, "data_parallel")
+        log.append("data_parallel")
     return wrapped
 
 
