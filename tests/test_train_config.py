@@ -124,3 +124,13 @@ def test_the_trace_meta_names_the_same_run_either_way(tmp_path, mlp):
     keys = ("dtype", "opt_level", "accum", "scaler", "clip", "fsdp", "compile")
     cli, api = read_trace(cli_trace)[0][0], read_trace(api_trace)[0][0]
     assert json.dumps({k: cli[k] for k in keys}) == json.dumps({k: api[k] for k in keys})
+
+
+def test_a_callback_takes_its_trace_settings_from_the_runs_config(tmp_path):
+    pytest.importorskip("transformers")
+    from ampaudit.integrations.transformers import AmpAuditCallback
+
+    config = TrainConfig(trace=tmp_path / "run.jsonl", trace_every=7, divergence_every=21)
+    session = AmpAuditCallback(config=config).session
+    assert (session.trace, session.every, session.divergence_every) == (tmp_path / "run.jsonl", 7, 21)
+    assert AmpAuditCallback("other.jsonl", every=3).session.every == 3        # without one, the arguments
