@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampaudit.integrations import require
+from ampaudit.integrations import callback_session, require
 
 _pl = None
 for _name in ("lightning.pytorch", "pytorch_lightning"):
@@ -33,7 +33,7 @@ for _name in ("lightning.pytorch", "pytorch_lightning"):
 if _pl is None:
     require("lightning.pytorch", extra="lightning", feature="ampaudit.integrations.lightning")
 
-from ampaudit.runtime.session import SessionViews, WatchSession  # noqa: E402  (after the dependency check)
+from ampaudit.runtime.session import SessionViews  # noqa: E402  (after the dependency check)
 
 if TYPE_CHECKING:
     from ampaudit.train.config import TrainConfig
@@ -89,14 +89,10 @@ class AmpAuditCallback(SessionViews, _pl.Callback):
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
                  dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
                  config: TrainConfig | None = None):
-        if config is not None:      # the run's TrainConfig: its trace settings, as ampaudit train reads them
-            watch = config.watch_options()
-            trace, every, divergence_every = watch["trace"], watch["every"], watch["divergence_every"]
-            tensorboard = tensorboard if tensorboard is not None else config.tensorboard
         super().__init__()
-        self.session = WatchSession(trace, every=every, divergence_every=divergence_every,
-                                    raise_on_nonfinite=raise_on_nonfinite, stats=stats,
-                                    grad_norm_every=grad_norm_every, tensorboard=tensorboard)
+        self.session = callback_session(trace, config=config, every=every, divergence_every=divergence_every,
+                                        raise_on_nonfinite=raise_on_nonfinite, stats=stats,
+                                        grad_norm_every=grad_norm_every, tensorboard=tensorboard)
         self.dtype = dtype
         self._scale: float | None = None       # the loss scale the current step runs with
         self._stepped = False

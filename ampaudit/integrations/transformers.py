@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from ampaudit.integrations import require
+from ampaudit.integrations import callback_session, require
 
 _transformers = require("transformers", extra="transformers", feature="ampaudit.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402  (after the dependency check)
 
-from ampaudit.runtime.session import SessionViews, WatchSession  # noqa: E402
+from ampaudit.runtime.session import SessionViews  # noqa: E402
 
 if TYPE_CHECKING:
     from ampaudit.train.config import TrainConfig
@@ -69,13 +69,9 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
                  dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
                  config: TrainConfig | None = None):
-        if config is not None:      # the run's TrainConfig: its trace settings, as ampaudit train reads them
-            watch = config.watch_options()
-            trace, every, divergence_every = watch["trace"], watch["every"], watch["divergence_every"]
-            tensorboard = tensorboard if tensorboard is not None else config.tensorboard
-        self.session = WatchSession(trace, every=every, divergence_every=divergence_every,
-                                    raise_on_nonfinite=raise_on_nonfinite, stats=stats,
-                                    grad_norm_every=grad_norm_every, tensorboard=tensorboard)
+        self.session = callback_session(trace, config=config, every=every, divergence_every=divergence_every,
+                                        raise_on_nonfinite=raise_on_nonfinite, stats=stats,
+                                        grad_norm_every=grad_norm_every, tensorboard=tensorboard)
         self.dtype = dtype
         self._scale: float | None = None
         self._want_loss = False
