@@ -65,6 +65,20 @@ def test_a_model_trained_twice_goes_through_its_transforms_again(blocks):
             trainer.fit(steps=1)
 
 
+def test_leaving_the_trainer_gives_a_compiled_model_its_eager_calls_back(blocks):
+    model, compiling = blocks.build_model(), []
+    model.register_forward_hook(lambda *_: compiling.append(torch.compiler.is_compiling()))
+    x = torch.randn(2, 16)
+    with Trainer(model, blocks.loss_fn, blocks.train_data, dtype="bfloat16", compile="aot_eager",
+                 handle_signals=False) as trainer:
+        model(x)                                    # compiled in place: its hooks are traced
+        with transforms.eager():
+            model(x)
+        assert trainer.transforms == ["compile"]
+    model(x)
+    assert compiling == [True, False, False]
+
+
 def _fsdp_run(blocks, plan: bool = False, **kwargs) -> tuple[list[str], list[float], dict[str, torch.Tensor]]:
     model = blocks.build_model()
     if plan:

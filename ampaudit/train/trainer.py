@@ -130,6 +130,8 @@ class Trainer(TrainerSetup, TrainerState):
             # No rank may tear the process group down while another still uses it (gloo aborts the process).
             ddp.barrier(self.dist)
         self._wrapped, self._sync_on_close = self.model, False
+        if self._compiled:          # the caller's model runs as it did before the trainer compiled it
+            transforms.uncompile(self.model)
         if self.dist.enabled or self.dist.joined:       # a group of one (FSDP in one process) is left too
             gc.collect()        # the DDP reducer goes now, while the process group it talks to still exists
             ddp.teardown(self.dist)

@@ -8,7 +8,7 @@ The order is torchtitan's (float8, then activation checkpointing, then compile, 
 2. ``activation_checkpointing``: the repeated blocks recompute their inside in backward
    (:mod:`ampaudit.train.activations`), around whatever module the plan left there.
 3. ``compile``: ``torch.compile`` of the model in place, over the checkpointed blocks; the watch's sampled steps
-   run it eagerly (:func:`eager`).
+   run it eagerly (:func:`eager`), and the trainer's ``close`` gives the model its eager calls back (:func:`uncompile`).
 4. ``data_parallel``: FSDP2's ``fully_shard`` of the blocks and the root, or DDP's wrapper, outermost.
 
 Before step 2 the trainer moves the model to its device, casts it for O2 and converts BatchNorm for ``sync_bn``:
@@ -86,6 +86,11 @@ def compile_model(model: nn.Module, backend: bool | str = True, *, log: list[str
     log.append("compile")
 
 
+def uncompile(model: nn.Module) -> None:
+    """Undo :func:`compile_model`: ``model``'s calls run eagerly again (where ``nn.Module.compile`` keeps them)."""
+    model._compiled_call_impl = None
+
+
 def eager() -> contextlib.AbstractContextManager:
     """Run compiled models eagerly inside the block (the watch's sampled steps, evaluation)."""
     return torch.compiler.set_stance("force_eager")
@@ -107,5 +112,6 @@ def data_parallel(model: nn.Module, ctx: ddp.DistContext, device: torch.device, 
     return wrapped
 
 
-__all__ = ["ORDER", "applied", "apply_plan", "checkpoint_activations", "compile_model", "data_parallel", "eager"]
+__all__ = ["ORDER", "applied", "apply_plan", "checkpoint_activations", "compile_model", "data_parallel", "eager",
+           "uncompile"]
 
