@@ -10,13 +10,15 @@ One optimizer step = one window of ``accum`` micro-batches (per rank)::
                  checkpoint_dir="ckpt", checkpoint_every=100, trace="run.jsonl") as trainer:
         result = trainer.fit(steps=1000, resume=True)
     torch.save(trainer.model.state_dict(), "final.pt")
+    trainer = Trainer(model, loss_fn, train_data, config=TrainConfig(dtype="float16", accum=4))  # settings as one value
 
 Under ``torchrun`` the ``with`` block is all a script needs: the trainer joins the process group (gloo on CPU,
 nccl on CUDA), wraps the model in DDP, and on leaving waits for every rank and leaves the group it joined.
 ``fsdp=True`` shards it with FSDP2 instead (:mod:`ampaudit.train.fsdp`: fp32 shards are the master weights,
 sharded checkpoints through DCP) after a precision preflight (:mod:`ampaudit.train.preflight`); ``compile=True``
 (or a backend name, e.g. ``"aot_eager"``) runs the forward through ``torch.compile``; the watch sees only the
-steps it samples, which run eagerly.
+steps it samples, which run eagerly. The model goes through activation checkpointing, compile and FSDP/DDP in
+that order (:mod:`ampaudit.train.transforms`; ``trainer.transforms`` lists what was applied).
 
 ``train_data`` is a function returning an iterable of ``(inputs, target)`` (inputs: a Tensor, a tuple of them, or a
 dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``optimizer`` is a factory called with the
