@@ -30,12 +30,9 @@ _PATH = "path"          # a file kind: a string, made a Path relative to the TOM
 _NAMES = "names"        # a file kind: a list of class names (or one "A,B" string)
 
 
-def _in_file(*kinds: Any) -> dict[str, Any]:
-    return {"file": kinds}
-
-
 def _opt(default: Any, *kinds: Any) -> Any:
-    return field(default=default, metadata=_in_file(*kinds))
+    """A field a TOML file may set, to a value of one of ``kinds``."""
+    return field(default=default, metadata={"file": kinds})
 
 
 @dataclass
@@ -108,10 +105,6 @@ class TrainConfig:
     def watch_options(self) -> dict[str, Any]:
         """What a watch session takes from the run: trace, statistics interval, FP32 shadow interval."""
         return {"trace": self.trace, "every": self.trace_every, "divergence_every": self.divergence_every}
-
-    def replace(self, **changes: Any) -> "TrainConfig":
-        """A copy with ``changes`` (keyword arguments as the Trainer takes them, ``scaler_options`` included)."""
-        return from_keywords(self, changes)
 
 
 SCALER_FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
