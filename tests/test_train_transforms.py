@@ -79,6 +79,18 @@ def test_leaving_the_trainer_gives_a_compiled_model_its_eager_calls_back(blocks)
     assert compiling == [True, False, False]
 
 
+def test_evaluation_of_a_compiled_model_runs_its_own_eager_forward(blocks):
+    model, seen = blocks.build_model(), []
+    model.register_forward_hook(lambda m, *_: seen.append((m.training, torch.compiler.is_compiling())))
+    eval_data = lambda: list(blocks.train_data())[:2]      # noqa: E731
+    with Trainer(model, blocks.loss_fn, blocks.train_data, dtype="bfloat16", compile="aot_eager", eval_every=2,
+                 eval_data=eval_data, trace_every=100, handle_signals=False) as trainer:
+        trainer.fit(steps=2)
+    evaluated = [compiling for training, compiling in seen if not training]
+    assert len(evaluated) == 4 and not any(evaluated)     # 2 batches, under autocast and in FP32: all eager
+    assert (True, True) in seen                            # step 2 trained compiled
+
+
 def _fsdp_run(blocks, plan: bool = False, **kwargs) -> tuple[list[str], list[float], dict[str, torch.Tensor]]:
     model = blocks.build_model()
     if plan:
