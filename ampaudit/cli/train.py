@@ -6,18 +6,21 @@ accumulation, master weights, checkpoints and an optional trace.
     torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --accum 2
     torchrun --nproc-per-node 2 -m ampaudit train model.py --steps 1000 --fsdp --dtype bfloat16 --checkpoint ckpt
     torchrun --nproc-per-node 2 -m ampaudit train model.py --fsdp --preflight-only
+    ampaudit train model.py --config run.toml --steps 50      # the file's settings; flags given here win
 
 The model file provides ``train_data()`` and ``loss_fn(output, target)`` (and optionally ``make_optimizer(params)``,
 ``make_scheduler(optimizer)``, and for ``--eval-every`` ``eval_data()`` and ``metric_fn(output, target) -> dict``).
-Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N; ``--preflight-only``: 0 when every check
+The settings are one :class:`~ampaudit.train.config.TrainConfig`: defaults, then ``--config FILE`` (TOML), then
+the flags given on the command line. Exit codes: 0 done, 2 error, 3 halted by the loss scaler, 128+N on signal N; ``--preflight-only``: 0 when every check
 passes, 1 when one fails.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import torch
 import typer
@@ -25,6 +28,9 @@ import typer
 from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import AmpAuditError, TrainError, UsageError
 from ampaudit.fileio import atomic_write
+
+if TYPE_CHECKING:      # ampaudit.train loads the trainer: only train itself imports it
+    from ampaudit.train.config import TrainConfig
 
 
 def _hooks(loaded) -> tuple:
@@ -41,7 +47,8 @@ def _hooks(loaded) -> tuple:
 
 def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: bool = False) -> str:
     """Convert the model as the plan says (planning first for --dtype float8); the dtype the rest trains in."""
-    from ampaudit.planning.apply import apply_plan, load_plan
+    from ampaudit.planning.apply import load_plan
+    from ampaudit.train.transforms import apply_plan
 
     if dtype not in ("float8", "bfloat16", "float16"):
         raise UsageError(f"--plan trains its other layers under bf16 autocast, not {dtype}",
@@ -70,8 +77,10 @@ def _save_weights(state: dict, path: Path) -> None:
 @app.command()
 @cli_errors
 def train(
+    ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="Model file (model.py) or pkg.module:factory.")],
     *,
+    config: Annotated[Optional[Path], typer.Option(help="A TOML file of settings: train's options as keys with underscores (accum = 4, clip_norm = 1.0, checkpoint = \"ckpt\"); flags given here override them.")] = None,
     entry: Annotated[Optional[str], typer.Option(help="Name of the factory/model in the file.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train (each of --accum micro-batches).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Passes over train_data() instead of --steps.")] = None,
@@ -124,96 +133,143 @@ def train(
     preflight_only: Annotated[bool, typer.Option("--preflight-only", help="Run the precision preflight (FP32 masters, FSDP group dtypes, reduce dtype, memory per rank, all-reduce self-test), print one line per check, exit 0/1.")] = False,
 ) -> None:
     """Train a model file under mixed precision: loss scaling, clipping, accumulation, master weights, resume."""
+    flags = {k: v for k, v in locals().items() if k not in ("ctx", "target", "entry", "config", "preflight_only")}
+    cfg = _settings(ctx, flags, config)
+    _check(cfg, preflight_only)
     from ampaudit.loading import load_target
-    from ampaudit.train.trainer import Trainer
 
-    if (steps is None) == (epochs is None) and not preflight_only:
-        raise UsageError("give --steps N or --epochs E", hint="e.g. ampaudit train model.py --steps 1000")
-    if tensorboard is not None:
-        if trace is None:
-            raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
-        from ampaudit.integrations import require
-        require("tensorboard", extra="tensorboard", feature="--tensorboard")
-    if divergence_every is not None and trace is None:
-        raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
-    if fp8_fallback and trace is None:
-        raise UsageError("--fp8-fallback needs --trace FILE", hint="e.g. --plan plan.json --trace run.jsonl --fp8-fallback")
-    if pad and plan is None and dtype != "float8":
-        raise UsageError("--pad pads the layers a float8 plan keeps out for alignment", hint="add --plan plan.json or --dtype float8")
-    if pad and fsdp:
-        raise UsageError("--pad is not supported with --fsdp", hint="drop --pad (those layers train in bf16), or train without --fsdp")
-    if checkpoint_every is not None and checkpoint is None:
-        raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
-    chosen = None
-    if dtype is None:
-        from ampaudit.machine.train_dtype import default_train_dtype
-
-        dtype, why = default_train_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if not why.startswith("set by"):    # the device's answer is news; the caller's own setting is not
-            chosen = f"dtype {dtype}: {why} (--dtype to choose)"
+    chosen = _default_dtype(cfg)
     loaded = load_target(target, entry=entry, need_inputs=False)
     train_data, loss_fn = _hooks(loaded)
-    if plan is not None or dtype == "float8":
-        dtype = _apply_plan(loaded, plan, dtype, device, pad)
-    make_scheduler = loaded.hook("make_scheduler")
-    wrap = [c.strip() for c in fsdp_wrap.split(",") if c.strip()] if fsdp_wrap else None
+    if cfg.plan is not None or cfg.dtype == "float8":
+        cfg.dtype = _apply_plan(loaded, cfg.plan, cfg.dtype, cfg.device, cfg.pad)
     if preflight_only:
         from ampaudit.train.preflight import preflight_only as run_checks
 
-        checks = run_checks(loaded.model, dtype=dtype, opt_level=opt_level, accum=accum, fsdp=fsdp, fsdp_wrap=wrap,
-                            reduce_dtype=reduce_dtype, device=device, optimizer=loaded.hook("make_optimizer"),
-                            train_data=train_data)
+        checks = run_checks(loaded.model, dtype=cfg.dtype, opt_level=cfg.opt_level, accum=cfg.accum, fsdp=cfg.fsdp,
+                            fsdp_wrap=cfg.fsdp_wrap, reduce_dtype=cfg.reduce_dtype, device=cfg.device,
+                            optimizer=loaded.hook("make_optimizer"), train_data=train_data)
         raise typer.Exit(1 if any(c.status == "fail" for c in checks) else 0)
-    from ampaudit.train.batchnorm import SmallBatchWarning
-    warnings.filterwarnings("ignore", category=SmallBatchWarning)   # printed below as one line instead
-    trainer = Trainer(
-        loaded.model, loss_fn, train_data, optimizer=loaded.hook("make_optimizer"), scheduler=make_scheduler,
-        lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
-        clip_mode="layer" if clip_per_layer else "norm", loss_scale=loss_scale,
-        max_consecutive_skips=max_consecutive_skips, device=device, trace=trace, trace_every=trace_every,
-        divergence_every=divergence_every, fp8_fallback=fp8_fallback,
-        checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every, fsdp=fsdp, reduce_dtype=reduce_dtype,
-        fsdp_wrap=wrap,
-        compile=compile,
-        progress=sys.stderr.isatty() if progress is None else progress,
-        scaler_options={"init_scale": init_scale, "growth_interval": growth_interval, "hysteresis": hysteresis,
-                        "min_scale": min_scale, "max_scale": max_scale, "skip_window": skip_window,
-                        "max_skip_fraction": max_skip_fraction},
-        warmup_steps=warmup_steps, scale_lr=scale_lr, base_batch=base_batch,
-        eval_data=loaded.hook("eval_data"), eval_every=eval_every, metric_fn=loaded.hook("metric_fn"),
-        checkpoint_activations=checkpoint_activations, sync_bn=sync_bn,
-        meta={"target": loaded.display, "argv": sys.argv[1:]})
-    main = trainer.dist.is_main
-    if chosen and main:
-        typer.echo(chosen, err=True)
-    if main:                                # the preflight's verdicts, one line each (its warnings follow below)
-        from ampaudit.train.preflight_state import STATE_CHECKS
+    trainer = _trainer(loaded, train_data, loss_fn, cfg)
+    _say_start(trainer, cfg, chosen)
+    result = _fit(trainer, cfg)
+    _say_end(trainer, result, cfg)
 
-        for check in trainer.preflight:
-            if not (check.status == "warn" and check.name in STATE_CHECKS):
-                typer.echo(f"preflight {check.line()}", err=True)
+
+# Flags whose config field is spelled otherwise, or whose value the field holds in another form. Every other flag
+# but target, --entry, --config and --preflight-only is the field of its name (tests/test_train_config.py).
+_FIELD_OF_FLAG = {"checkpoint": "checkpoint_dir", "clip_per_layer": "clip_mode"}
+
+
+def _settings(ctx: typer.Context, flags: dict, path: Path | None) -> TrainConfig:
+    """Defaults, then the file's settings, then the flags given on the command line (all of them without a file)."""
+    from ampaudit.train.config import FIELDS, TrainConfig, load_train_config
+
+    cfg = TrainConfig(dtype=None, progress=None)       # None: chosen for this device / terminal below
+    if path is not None:
+        cfg = load_train_config(path, cfg)
+    given = {}
+    for name, value in flags.items():
+        # by name: typer carries a click of its own, whose ParameterSource is not click.core's
+        if path is not None and getattr(ctx.get_parameter_source(name), "name", None) != "COMMANDLINE":
+            continue
+        if name == "clip_per_layer":
+            value = "layer" if value else "norm"
+        elif name == "fsdp_wrap" and value is not None:
+            value = [c.strip() for c in value.split(",") if c.strip()] or None
+        given[_FIELD_OF_FLAG.get(name, name)] = value
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in given.items() if k in FIELDS})
+    if cfg.progress is None:
+        cfg.progress = sys.stderr.isatty()
+    return cfg
+
+
+def _check(cfg: TrainConfig, preflight_only: bool) -> None:
+    """Refuse flags that need another one, before the model file is loaded."""
+    if (cfg.steps is None) == (cfg.epochs is None) and not preflight_only:
+        raise UsageError("give --steps N or --epochs E", hint="e.g. ampaudit train model.py --steps 1000")
+    if cfg.tensorboard is not None:
+        if cfg.trace is None:
+            raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
+        from ampaudit.integrations import require
+        require("tensorboard", extra="tensorboard", feature="--tensorboard")
+    if cfg.divergence_every is not None and cfg.trace is None:
+        raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
+    if cfg.fp8_fallback and cfg.trace is None:
+        raise UsageError("--fp8-fallback needs --trace FILE", hint="e.g. --plan plan.json --trace run.jsonl --fp8-fallback")
+    if cfg.pad and cfg.plan is None and cfg.dtype != "float8":
+        raise UsageError("--pad pads the layers a float8 plan keeps out for alignment", hint="add --plan plan.json or --dtype float8")
+    if cfg.pad and cfg.fsdp:
+        raise UsageError("--pad is not supported with --fsdp", hint="drop --pad (those layers train in bf16), or train without --fsdp")
+    if cfg.checkpoint_every is not None and cfg.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint DIR", hint="e.g. --checkpoint ckpt")
+
+
+def _default_dtype(cfg: TrainConfig) -> str | None:
+    """Set the device's native dtype when none was chosen; the line that says so (None when it is no news)."""
+    if cfg.dtype is not None:
+        return None
+    from ampaudit.machine.train_dtype import default_train_dtype
+
+    cfg.dtype, why = default_train_dtype(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # the device's answer is news; the caller's own setting is not
+    return None if why.startswith("set by") else f"dtype {cfg.dtype}: {why} (--dtype to choose)"
+
+
+def _trainer(loaded, train_data, loss_fn, cfg: TrainConfig):
+    from ampaudit.train.batchnorm import SmallBatchWarning
+    from ampaudit.train.trainer import Trainer
+
+    warnings.filterwarnings("ignore", category=SmallBatchWarning)   # printed below as one line instead
+    return Trainer(loaded.model, loss_fn, train_data, config=cfg, optimizer=loaded.hook("make_optimizer"),
+                   scheduler=loaded.hook("make_scheduler"), eval_data=loaded.hook("eval_data"),
+                   metric_fn=loaded.hook("metric_fn"), meta={"target": loaded.display, "argv": sys.argv[1:]})
+
+
+def _say_start(trainer, cfg: TrainConfig, chosen: str | None) -> None:
+    """Rank 0's first lines: the chosen dtype, the preflight's verdicts, the warnings, resuming or not."""
+    if not trainer.dist.is_main:
+        return
+    if chosen:
+        typer.echo(chosen, err=True)
+    from ampaudit.train.preflight_state import STATE_CHECKS
+
+    for check in trainer.preflight:     # the verdicts, one line each (the state checks' warnings follow below)
+        if not (check.status == "warn" and check.name in STATE_CHECKS):
+            typer.echo(f"preflight {check.line()}", err=True)
     for message in trainer.warnings:        # rank 0's, said once at the start
         typer.echo(f"warning: {message}", err=True)
-    if resume and main and checkpoint is not None:
-        typer.echo(f"resuming from {checkpoint}" if trainer.has_checkpoint()
-                   else f"no checkpoint in {checkpoint}; starting fresh", err=True)
+    if cfg.resume and cfg.checkpoint_dir is not None:
+        typer.echo(f"resuming from {cfg.checkpoint_dir}" if trainer.has_checkpoint()
+                   else f"no checkpoint in {cfg.checkpoint_dir}; starting fresh", err=True)
+
+
+def _fit(trainer, cfg: TrainConfig):
+    """Train, save the weights, and write TensorBoard logs from the trace (a halted run's too)."""
+    main = trainer.dist.is_main
     try:
         with trainer:               # on leaving: every rank waits for the others, then the group is left
-            result = trainer.fit(steps, epochs=epochs, resume=resume)
-            if save is not None:
+            result = trainer.fit(cfg.steps, epochs=cfg.epochs, resume=cfg.resume)
+            if cfg.save is not None:
                 state = trainer.full_state_dict()     # collective under FSDP
                 if main:
-                    _save_weights(state, save)
+                    _save_weights(state, cfg.save)
     except AmpAuditError as exc:
         if main:
             raise
         raise typer.Exit(exc.exit_code) from None   # rank 0 alone reports; the others exit with the same code
     finally:
-        if tensorboard is not None and main and trace.is_file():  # a halted run's trace is worth plotting too
+        if cfg.tensorboard is not None and main and Path(cfg.trace).is_file():  # a halted run's is worth plotting
             from ampaudit.integrations.tensorboard import write_tensorboard
             from ampaudit.runtime.trace import read_trace
-            count = write_tensorboard(read_trace(trace)[0], tensorboard)
-            typer.echo(f"wrote {count} TensorBoard scalars to {tensorboard}", err=True)
+            count = write_tensorboard(read_trace(cfg.trace)[0], cfg.tensorboard)
+            typer.echo(f"wrote {count} TensorBoard scalars to {cfg.tensorboard}", err=True)
+    return result
+
+
+def _say_end(trainer, result, cfg: TrainConfig) -> None:
+    """Rank 0's summary; the exit code of a run a signal stopped (every rank)."""
+    main = trainer.dist.is_main
     if main:
         scale = "off" if result.scale is None else f"{result.scale:g}"
         loss = "n/a" if result.loss is None else f"{result.loss:.6g}"
@@ -223,8 +279,8 @@ def train(
             typer.echo(describe_result(trainer.evaluator.results[-1]))
         if result.checkpoint is not None:
             typer.echo(f"checkpoint: {result.checkpoint}")
-        if save is not None:
-            typer.echo(f"weights: {save}")
+        if cfg.save is not None:
+            typer.echo(f"weights: {cfg.save}")
     if result.stopped in ("SIGINT", "SIGTERM"):
         code = 130 if result.stopped == "SIGINT" else 143
         if main:

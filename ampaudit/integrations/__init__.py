@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 from ampaudit.errors import AmpAuditError
 
@@ -30,3 +31,17 @@ def require(module: str, *, extra: str, feature: str) -> ModuleType:
             raise  # the package is there but one of its own dependencies is broken: show the real error
         raise MissingExtraError(f"{feature} needs the {top!r} package, which is not installed",
                                 hint=f"pip install 'ampaudit[{extra}]'") from exc
+
+
+def callback_session(trace: Any, *, config: Any = None, **options: Any) -> Any:
+    """The watch session a callback drives: ``trace`` and ``options`` as the callback's arguments give them, with
+    the trace settings (``trace``, ``trace_every``, ``divergence_every``, and ``tensorboard`` when none is given)
+    of ``config``, the run's :class:`~ampaudit.train.config.TrainConfig`, when there is one."""
+    from ampaudit.runtime.session import WatchSession
+
+    if config is not None:
+        options.update(config.watch_options())
+        trace = options.pop("trace")
+        if options.get("tensorboard") is None:
+            options["tensorboard"] = config.tensorboard
+    return WatchSession(trace, **options)

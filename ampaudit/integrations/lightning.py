@@ -17,11 +17,11 @@ watches (one trace per run). Validation forwards inside ``fit`` are seen by the 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampaudit.integrations import require
+from ampaudit.integrations import callback_session, require
 
 _pl = None
 for _name in ("lightning.pytorch", "pytorch_lightning"):
@@ -33,7 +33,10 @@ for _name in ("lightning.pytorch", "pytorch_lightning"):
 if _pl is None:
     require("lightning.pytorch", extra="lightning", feature="ampaudit.integrations.lightning")
 
-from ampaudit.runtime.session import SessionViews, WatchSession  # noqa: E402  (after the dependency check)
+from ampaudit.runtime.session import SessionViews  # noqa: E402  (after the dependency check)
+
+if TYPE_CHECKING:
+    from ampaudit.train.config import TrainConfig
 
 __all__ = ["AmpAuditCallback", "precision_dtype"]
 
@@ -78,15 +81,18 @@ class AmpAuditCallback(SessionViews, _pl.Callback):
     steps between gradient-norm measurements without a loss scaler (default ``every``; with Lightning's fp16
     scaler, every step, so a skipped step can be attributed). ``tensorboard``: a folder to write the trace's
     scalars to when ``fit`` ends.
+    ``config``: a :class:`~ampaudit.train.config.TrainConfig` whose ``trace``, ``trace_every`` and
+    ``divergence_every`` replace those arguments (its ``tensorboard`` too, when none is given).
     """
 
     def __init__(self, trace: str | os.PathLike | None = None, *, every: int = 50,
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
-                 dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None):
+                 dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
+                 config: TrainConfig | None = None):
         super().__init__()
-        self.session = WatchSession(trace, every=every, divergence_every=divergence_every,
-                                    raise_on_nonfinite=raise_on_nonfinite, stats=stats,
-                                    grad_norm_every=grad_norm_every, tensorboard=tensorboard)
+        self.session = callback_session(trace, config=config, every=every, divergence_every=divergence_every,
+                                        raise_on_nonfinite=raise_on_nonfinite, stats=stats,
+                                        grad_norm_every=grad_norm_every, tensorboard=tensorboard)
         self.dtype = dtype
         self._scale: float | None = None       # the loss scale the current step runs with
         self._stepped = False

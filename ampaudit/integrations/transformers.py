@@ -18,17 +18,20 @@ main process watches.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from ampaudit.integrations import require
+from ampaudit.integrations import callback_session, require
 
 _transformers = require("transformers", extra="transformers", feature="ampaudit.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402  (after the dependency check)
 
-from ampaudit.runtime.session import SessionViews, WatchSession  # noqa: E402
+from ampaudit.runtime.session import SessionViews  # noqa: E402
+
+if TYPE_CHECKING:
+    from ampaudit.train.config import TrainConfig
 
 __all__ = ["AmpAuditCallback", "args_dtype"]
 
@@ -58,14 +61,17 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
     ``grad_norm_every``: steps between gradient-norm measurements without a loss scaler (default ``every``;
     with the fp16 scaler, every step, so a skipped step can be attributed). ``tensorboard``: a folder to write
     the trace's scalars to when training ends.
+    ``config``: a :class:`~ampaudit.train.config.TrainConfig` whose ``trace``, ``trace_every`` and
+    ``divergence_every`` replace those arguments (its ``tensorboard`` too, when none is given).
     """
 
     def __init__(self, trace: str | os.PathLike | None = None, *, every: int = 50,
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
-                 dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None):
-        self.session = WatchSession(trace, every=every, divergence_every=divergence_every,
-                                    raise_on_nonfinite=raise_on_nonfinite, stats=stats,
-                                    grad_norm_every=grad_norm_every, tensorboard=tensorboard)
+                 dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
+                 config: TrainConfig | None = None):
+        self.session = callback_session(trace, config=config, every=every, divergence_every=divergence_every,
+                                        raise_on_nonfinite=raise_on_nonfinite, stats=stats,
+                                        grad_norm_every=grad_norm_every, tensorboard=tensorboard)
         self.dtype = dtype
         self._scale: float | None = None
         self._want_loss = False

@@ -10,13 +10,15 @@ One optimizer step = one window of ``accum`` micro-batches (per rank)::
                  checkpoint_dir="ckpt", checkpoint_every=100, trace="run.jsonl") as trainer:
         result = trainer.fit(steps=1000, resume=True)
     torch.save(trainer.model.state_dict(), "final.pt")
+    trainer = Trainer(model, loss_fn, train_data, config=TrainConfig(dtype="float16", accum=4))  # settings as one value
 
 Under ``torchrun`` the ``with`` block is all a script needs: the trainer joins the process group (gloo on CPU,
 nccl on CUDA), wraps the model in DDP, and on leaving waits for every rank and leaves the group it joined.
 ``fsdp=True`` shards it with FSDP2 instead (:mod:`ampaudit.train.fsdp`: fp32 shards are the master weights,
 sharded checkpoints through DCP) after a precision preflight (:mod:`ampaudit.train.preflight`); ``compile=True``
 (or a backend name, e.g. ``"aot_eager"``) runs the forward through ``torch.compile``; the watch sees only the
-steps it samples, which run eagerly.
+steps it samples, which run eagerly. The model goes through activation checkpointing, compile and FSDP/DDP in
+that order (:mod:`ampaudit.train.transforms`; ``trainer.transforms`` lists what was applied).
 
 ``train_data`` is a function returning an iterable of ``(inputs, target)`` (inputs: a Tensor, a tuple of them, or a
 dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``optimizer`` is a factory called with the
@@ -26,6 +28,7 @@ diagnosis; SIGINT/SIGTERM end the run after the current step with a checkpoint (
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -41,25 +44,17 @@ import torch.nn as nn
 from ampaudit.dtypes import name_of, parse_train_dtype
 from ampaudit.errors import TrainError, TrainingHalted, UsageError
 from ampaudit.fileio import atomic_write_text
-from ampaudit.runtime.session import WatchSession
-from ampaudit.runtime.trace import TraceWriter
 from ampaudit.train import ddp
 from ampaudit.train import fsdp as fsdp_lib
-from ampaudit.train.activations import checkpoint_blocks
-from ampaudit.train.batchnorm import convert_for_ddp, warn_small_batches
+from ampaudit.train import transforms
 from ampaudit.train.checkpoint import DIAGNOSIS, HALTED
-from ampaudit.train.clip import clip_gradients, layer_groups
-from ampaudit.train.data import DataStream, as_factory, resolve_device, split_batch
-from ampaudit.train.diagnosis import SkipLog, describe, halt_diagnosis
-from ampaudit.train.evaluate import Evaluator
-from ampaudit.train.lr import LRPolicy
-from ampaudit.train.masters import MasterWeights, cast_model_o2, check_opt_level, refuse_low_precision_weights
-from ampaudit.train.preflight import Check, resource_checks, structure_checks
-from ampaudit.train.preflight_state import STATE_CHECKS, check_optimizer_state, check_updates_of
+from ampaudit.train.clip import clip_gradients
+from ampaudit.train.config import TrainConfig, from_keywords
+from ampaudit.train.data import as_factory, resolve_device, split_batch
+from ampaudit.train.diagnosis import describe, halt_diagnosis
+from ampaudit.train.masters import check_opt_level
 from ampaudit.train.progress import TrainProgress
-from ampaudit.train.scaler import LossScaler, scaler_for
-from ampaudit.train.setup import build_optimizer, check_distributed, check_options, enforce, synchronised_batchnorm
-from ampaudit.train.signals import StopSignals
+from ampaudit.train.setup import TrainerSetup, check_options
 from ampaudit.train.state import TrainerState
 
 DEFAULT_HALT_DIR = Path("ampaudit-halt")   # where a halt checkpoint goes when no checkpoint_dir was given
@@ -92,156 +87,53 @@ def _leaves_group_on_error(init: Callable) -> Callable:
     return wrapper
 
 
-class Trainer(TrainerState):
-    """Mixed-precision trainer: O1/O2, loss-scale policy, clipping, accumulation, DDP/FSDP, checkpoints."""
+class Trainer(TrainerSetup, TrainerState):
+    """Mixed-precision trainer: O1/O2, loss-scale policy, clipping, accumulation, DDP/FSDP, checkpoints.
+
+    ``config``: a :class:`~ampaudit.train.config.TrainConfig`; keyword arguments are its fields, set on top of it
+    (``Trainer(model, loss_fn, data, dtype="bfloat16", accum=4)``; ``scaler_options={...}`` sets the scale policy's).
+    """
 
     @_leaves_group_on_error
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], train_data: Any, *,
-                 optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-                 scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, lr: float | None = None,
-                 dtype: str | torch.dtype = "float16", opt_level: str = "O1", accum: int = 1,
-                 clip_norm: float | None = None, clip_value: float | None = None, clip_mode: str = "norm",
-                 loss_scale: str | float | LossScaler = "auto", max_consecutive_skips: int | None = 50,
-                 scaler_options: dict[str, Any] | None = None,
-                 device: str | torch.device | None = None, trace: str | Path | TraceWriter | None = None,
-                 trace_every: int = 50, divergence_every: int | None = None, fp8_fallback: bool = False,
-                 checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: int | None = None, progress: bool = False, handle_signals: bool = True,
-                 fsdp: bool = False, fsdp_wrap: list[str] | None = None, reduce_dtype: str | torch.dtype = "float32",
-                 compile: bool | str = False, preflight: bool = True, meta: dict[str, Any] | None = None,
-                 warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
-                 micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
-                 metric_fn: Callable[[Any, Any], dict] | None = None,
-                 checkpoint_activations: str | list[str] | None = None, sync_bn: bool = False):
-        self.dtype = parse_train_dtype(dtype)
-        self.opt_level = check_opt_level(opt_level)
+                 config: TrainConfig | None = None, **options: Any):
+        cfg = self.config = from_keywords(config, options)
+        self.dtype = parse_train_dtype(cfg.dtype)
+        self.opt_level = check_opt_level(cfg.opt_level)
         self._clip_mode, self._clip_max = check_options(
-            opt_level=self.opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value, clip_mode=clip_mode,
-            checkpoint_every=checkpoint_every, trace_every=trace_every, divergence_every=divergence_every,
-            fsdp=fsdp, fp8_fallback=fp8_fallback, eval_every=eval_every)
-        self.accum = accum
-        self._tracing = trace is not None
+            opt_level=self.opt_level, accum=cfg.accum, clip_norm=cfg.clip_norm, clip_value=cfg.clip_value,
+            clip_mode=cfg.clip_mode, checkpoint_every=cfg.checkpoint_every, trace_every=cfg.trace_every,
+            divergence_every=cfg.divergence_every, fsdp=cfg.fsdp, fp8_fallback=cfg.fp8_fallback,
+            eval_every=cfg.eval_every)
+        self.accum = cfg.accum
         self._loss_fn = loss_fn
-        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self._checkpoint_every = checkpoint_every
-        self._progress_enabled = progress
-        self._meta = dict(meta or {})
-
-        self.device = resolve_device(device)
-        self.fsdp = bool(fsdp)
-        self.reduce_dtype = parse_train_dtype(reduce_dtype)
+        self._checkpoint_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+        self._meta = dict(cfg.meta or {})
+        self.device = resolve_device(cfg.device)
+        self.fsdp = bool(cfg.fsdp)
+        self.reduce_dtype = parse_train_dtype(cfg.reduce_dtype)
         self.dist = ddp.setup(self.device.type, group=self.fsdp)
         if self.device.type == "cuda" and self.dist.enabled:
             self.device = torch.device("cuda", self.dist.local_rank)
         self._autocast = self.dtype != torch.float32
-
-        model.to(self.device)
-        self.preflight: list[Check] = []
-        self._preflight = preflight and (self.fsdp or self.dist.enabled)
-        units = fsdp_lib.block_units(model, fsdp_wrap) if self.fsdp else []
-        if self._preflight:
-            enforce(self.preflight, self.dist, structure_checks(
-                model, dtype=self.dtype, world_size=self.dist.world_size, fsdp=self.fsdp, units=units,
-                opt_level=self.opt_level))
-        if self.opt_level == "O2" and not self.fsdp:
-            if self.dtype == torch.float32:
-                raise UsageError('opt level O2 needs dtype="float16" or dtype="bfloat16"',
-                                 hint="use O1 for float32 training")
-            cast_model_o2(model, self.dtype)
-        else:
-            # Under FSDP, O2 is what the sharded fp32 parameters already are: masters, cast for compute.
-            refuse_low_precision_weights(model)
         factory = as_factory(train_data)
-        # Tensors that change in place in low precision without an FP32 master lose their small updates: looked for
-        # under O2 (after the cast, which O2's masters will cover for trainable parameters) and FSDP (before the
-        # shard: a dry forward of the plain model needs no collective). Warnings: the run is valid.
-        self._state_preflight = preflight and (self.opt_level == "O2" or self.fsdp)
-        if self._state_preflight:
-            self.preflight.append(check_updates_of(model, factory, dtype=self.dtype,
-                                                   mastered=[p for p in model.parameters() if p.requires_grad]))
-        if sync_bn and self.dist.enabled:   # before the wrap: DDP / FSDP must see the modules they will run
-            model = convert_for_ddp(model, self.device, divergence_every=divergence_every,
-                                    alone=lambda: self.session.replaying)   # rank 0's watch replays alone
-        if self.fsdp:
-            fsdp_lib.shard(model, units, dtype=self.dtype, reduce_dtype=self.reduce_dtype)
-            self._eager_model = model
-        else:
-            self._eager_model = ddp.wrap(model, self.dist, self.device)
-        self._compiled = bool(compile)
-        backend = {"backend": compile} if isinstance(compile, str) else {}
-        self._forward_model = torch.compile(self._eager_model, **backend) if compile else self._eager_model
+        model, units = self._prepare(model, factory)
+        self._transform(model, units)
         self.model = model
-        # Masters are taken after the DDP wrap: its constructor broadcasts rank 0's weights into the model.
-        self.masters = MasterWeights(model) if self.opt_level == "O2" and not self.fsdp else None
-        if self.masters is not None:
-            self._named = self.masters.named_parameters()
-        else:
-            self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in self._named]
-        if not params:
-            raise TrainError("the model has no trainable parameters", hint="check requires_grad on its weights")
-        self.optimizer = build_optimizer(optimizer, params, lr, masters=self.masters is not None)
-        if self._state_preflight:
-            self.preflight.append(check_optimizer_state(self.optimizer, {id(t): n for n, t in self._named}))
-        # Scaled before the scheduler is built, so its base LRs are the scaled ones (ampaudit.train.lr).
-        self._lr_policy = LRPolicy.build(self.optimizer, factory, micro_batch=micro_batch,
-                                         warmup_steps=warmup_steps, scale=scale_lr, base_batch=base_batch,
-                                         accum=accum, world_size=self.dist.world_size)
-        if self._lr_policy.active:
-            self._meta.setdefault("lr_policy", self._lr_policy.describe())
-        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-        if self._preflight:
-            enforce(self.preflight, self.dist, resource_checks(
-                model, dtype=self.dtype, reduce_dtype=self.reduce_dtype, world_size=self.dist.world_size,
-                accum=accum, fsdp=self.fsdp, units=units, opt_level=self.opt_level, optimizer=self.optimizer,
-                device=self.device))
-        self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else scaler_for(
-            loss_scale, self.dtype, self.device.type, max_consecutive_skips=max_consecutive_skips,
-            **(scaler_options or {}))
-        self._clip_groups = layer_groups(self._named) if self._clip_mode == "layer" else [params]
-        self._stream = DataStream(factory, accum=accum, rank=self.dist.rank,
-                                  world_size=self.dist.world_size)
-        self.step = 0
-        self._skips = SkipLog()
-        self._saved_step: int | None = None
-        self._signals = StopSignals(handle_signals)
-        synced = synchronised_batchnorm(model, self.dist)
-        check_distributed(synced, self.dist, divergence_every=divergence_every, fp8_fallback=fp8_fallback,
-                          tracing=self._tracing)
-        # The run's trace, owned by the same session the Lightning/HF callbacks drive. Rank 0 alone writes it; with
-        # no trace the session watches nothing (memory=False: no in-memory events either).
-        # Replays rerun one pass on rank 0 alone: a sharded forward, or torch's (CUDA) SyncBatchNorm, would wait for
-        # the other ranks, and under compile the watch has not seen the compiled passes it would replay.
-        self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
-                                    divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback,
-                                    replays=not (self.fsdp or compile or synced), stats_every=1 if compile else None)
-        # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
-        # The micro-batch the LR policy read from the data already, if it had to: train_data() is not read twice.
-        known = micro_batch if micro_batch is not None else self._lr_policy.micro_batch
-        found = warn_small_batches(model, factory, micro_batch=known, accum=accum,
-                                   world_size=self.dist.world_size) if self.dist.is_main else None
-        self.warnings: list[str] = [found] if found else []
-        if self.dist.is_main:       # the state preflight warns; ampaudit train prints these at the start
-            self.warnings += [f"preflight {c.name}: {c.message} -> {c.hint}" for c in self.preflight
-                              if c.status == "warn" and c.name in STATE_CHECKS]
-        if found:
-            self._meta.setdefault("warnings", self.warnings)
-        if checkpoint_activations:      # "auto" or class names (ampaudit.train.activations); recomputes unwatched
-            self._meta.setdefault("checkpoint_activations", checkpoint_blocks(
-                model, checkpoint_activations, recompute_context=self.session.paused))
-        # Autocast beside FP32 on eval_data() every eval_every steps (ampaudit.train.evaluate); rank 0 evaluates.
-        self.evaluator = None if eval_every is None else Evaluator(
-            eval_data, loss_fn, every=eval_every, metric_fn=metric_fn, dtype=self.dtype, device=self.device)
+        self._build_step(model, factory)
+        self._build_watch(model, factory, loss_fn)
 
     def close(self, *, sync: bool = True) -> None:
         """End the run's distributed state: wait for every rank (``sync``: skip it when this rank failed
         alone, since the others may never come), drop the DDP wrapper (its reducer must not outlive the process
         group) and leave the group if this trainer joined it. Safe to call twice; ``with Trainer(...) as t``
         calls it, syncing unless the block raised something other than a halt (every rank halts together)."""
-        if sync and self.dist.enabled and self._forward_model is not self.model:
+        if sync and self.dist.enabled and self._sync_on_close:
             # No rank may tear the process group down while another still uses it (gloo aborts the process).
             ddp.barrier(self.dist)
-        self._forward_model = self._eager_model = self.model
+        self._wrapped, self._sync_on_close = self.model, False
+        if self._compiled:          # the caller's model runs as it did before the trainer compiled it
+            transforms.uncompile(self.model)
         if self.dist.enabled or self.dist.joined:       # a group of one (FSDP in one process) is left too
             gc.collect()        # the DDP reducer goes now, while the process group it talks to still exists
             ddp.teardown(self.dist)
@@ -281,7 +173,7 @@ class Trainer(TrainerState):
         stopped = "steps" if steps is not None else "epochs"
         checkpoint: Path | None = None
         try:
-            with self._signals, TrainProgress(steps, enabled=self._progress_enabled and self.dist.is_main,
+            with self._signals, TrainProgress(steps, enabled=self.config.progress and self.dist.is_main,
                                               completed=self.step) as bar:
                 while steps is None or self.step < steps:
                     loss = self._train_step()
@@ -294,7 +186,7 @@ class Trainer(TrainerState):
                         self._halt(halt, loss)
                     if self.evaluator is not None and self.evaluator.due(self.step):
                         self._evaluate()
-                    if self._checkpoint_every and self.step % self._checkpoint_every == 0:
+                    if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
                         checkpoint = self.save_checkpoint()
                     if self._signals.signum is not None:
                         stopped = self._signals.name
@@ -311,15 +203,15 @@ class Trainer(TrainerState):
         step = self.step + 1
         self.session.begin_step(step)     # the step's clock starts here
         # Under compile, the steps the watch samples run eagerly with its hooks; the others compiled, without.
-        eager = not self._compiled or self.session.due(step)
-        self.session.set_hooks(eager)
-        model = self._eager_model if eager else self._forward_model
+        eager = self._compiled and self.session.due(step)
+        self.session.set_hooks(eager or not self._compiled)
         total: torch.Tensor | None = None
-        for k, batch in enumerate(self._stream.window()):
-            boundary = k == self.accum - 1
-            with ddp.no_sync(self._eager_model, not boundary), fsdp_lib.gradient_sync(self.model, boundary):
-                loss = self._micro_step(model, batch)
-            total = loss if total is None else total + loss
+        with transforms.eager() if eager else contextlib.nullcontext():
+            for k, batch in enumerate(self._stream.window()):
+                boundary = k == self.accum - 1
+                with ddp.no_sync(self._wrapped, not boundary), fsdp_lib.gradient_sync(self.model, boundary):
+                    loss = self._micro_step(batch)
+                total = loss if total is None else total + loss
         if not self._stream.complete or total is None:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
@@ -337,11 +229,11 @@ class Trainer(TrainerState):
                                 lr=lr)
         return loss_value
 
-    def _micro_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+    def _micro_step(self, batch: Any) -> torch.Tensor:
         args, kwargs, target = split_batch(batch, self.device)
         try:
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self._autocast):
-                output = model(*args, **kwargs)
+                output = self._wrapped(*args, **kwargs)
                 loss = self._loss_fn(output, target)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             self._kernel_gap(exc)
@@ -373,7 +265,7 @@ class Trainer(TrainerState):
         self.scaler.unscale_(self.optimizer)
         # A sharded norm is a collective: every rank takes it when any does.
         norm, clipped = clip_gradients(self._clip_groups, mode=self._clip_mode, max_value=self._clip_max,
-                                       want_norm=self.session.active or (self.fsdp and self._tracing))
+                                       want_norm=self.session.active or (self.fsdp and self.config.trace is not None))
         stepped = self.scaler.step(self.optimizer)
         self._lr_policy.end(self.optimizer)     # the scheduler's own LR back before it steps
         if stepped:
@@ -410,7 +302,7 @@ class Trainer(TrainerState):
 
     def _evaluate(self) -> None:
         if self.dist.is_main:     # the other ranks go on to the next step and wait for rank 0 in its all-reduce
-            with self.session.paused():
+            with self.session.paused(), transforms.eager():   # the model's own forward, as before compile
                 result = self.evaluator.run(self.model, self.step, masters=self.masters)
             self.session.write("eval", step=self.step, **result)
 
