@@ -32,9 +32,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from ampaudit.dtypes import limits, narrower
 from ampaudit.policy import Policy
 from ampaudit.runtime.locate import float_tensors, module_names
-from ampaudit.simulate import simulation
+from ampaudit.simulate import target_autocast
 from ampaudit.wrappers import unwrap
 
 
@@ -82,8 +83,9 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
 
     batches = list(batches)
     cal = Calibration(policy=policy, batches=0, backward=backward_label(loss_fn, batches, origin))
-    # On a real GPU its own autocast applies the policy; on CPU the simulation does.
-    policy_on = (lambda: simulation(policy)) if device_type == "cpu" else contextlib.nullcontext
+    # The measurements enter autocast around their forwards only; on CPU, a CUDA target is simulated.
+    def policy_on():
+        return target_autocast(policy, device_type, enter_autocast=False)
     model_was_training = model.training
     model.eval()  # calibration measures; it must not move BatchNorm statistics
     try:
@@ -121,7 +123,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     for name, row in cal.modules.items():
         judge_range(row, cal.out_dtypes.get(name), policy.low)
     # Buffers are judged against the low dtype: the message is about the model cast to it (model.half()).
-    limit = torch.finfo(policy.low).max
+    limit = policy.limits.max
     for name, buf in model.named_buffers():
         if buf.is_floating_point() and not buf.is_meta and buf.numel():
             # Largest finite magnitude: an inf or NaN already in FP32 (clamp bounds of +-inf that mean "no
@@ -181,11 +183,6 @@ def _machine_gap(ev: dict, policy: Policy) -> bool:
 _HOLDS_FP32 = (torch.float32, torch.float64)
 
 
-def _narrower(a: torch.dtype, b: torch.dtype) -> bool:
-    fa, fb = torch.finfo(a), torch.finfo(b)
-    return (fa.bits, fa.max) < (fb.bits, fb.max)
-
-
 @contextlib.contextmanager
 def output_dtypes(model: nn.Module, *, into: dict[str, torch.dtype]) -> Iterator[dict[str, torch.dtype]]:
     """While active, record in ``into`` the narrowest floating dtype each module of ``model`` returns (names as
@@ -205,7 +202,7 @@ def output_dtypes(model: nn.Module, *, into: dict[str, torch.dtype]) -> Iterator
             return
         for t in float_tensors(out):
             prev = into.get(name)
-            if prev is None or _narrower(t.dtype, prev):
+            if prev is None or narrower(t.dtype, prev):
                 into[name] = t.dtype
 
     handle = register_module_forward_hook(record)
@@ -224,7 +221,7 @@ def judge_range(row: dict, stored: torch.dtype | None, low: torch.dtype) -> dict
     if stored in _HOLDS_FP32 and "absmax" in row:
         a = row["absmax"]
         row.update(overflow=0, underflow_share=0.0, flush_share=0.0,
-                   headroom_bits=(math.log2(torch.finfo(stored).max / a) if 0 < a < math.inf
+                   headroom_bits=(math.log2(limits(stored).max / a) if 0 < a < math.inf
                                   else (math.inf if a == 0 else -math.inf)))
         row["range_dtype"] = str(stored).replace("torch.", "")
     else:

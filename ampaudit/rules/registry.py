@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import is_low
 from ampaudit.graph_meta import SourceLoc, owner
 from ampaudit.policy import Policy
 
@@ -61,7 +62,7 @@ class MatchContext:
 
     def is_low(self, dtype: torch.dtype | None) -> bool:
         """True for the dtypes the policy lowers to (fp16/bf16, and fp8 for GEMMs)."""
-        return dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
+        return is_low(dtype)
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class SourceVerification:
         # The edited model's max relative error may exceed the original's by one unit roundoff of the dtype
         # (2**-11 for fp16, 2**-8 for bf16): a difference that small is where one rounding lands, not a loss of
         # accuracy (an fp32 block hands the next fp16 layer differently rounded inputs).
-        from ampaudit.policy import unit_roundoff
+        from ampaudit.dtypes import unit_roundoff
 
         return self.outputs is not None and not worse(self.outputs.after, self.outputs.before,
                                                       unit_roundoff(_low(self.outputs.dtype)))
