@@ -11,6 +11,8 @@ so it cannot be rewritten by ``fix``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -21,6 +23,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ampaudit.capture.fx_capture import Capture, model_code_only, user_frame
 from ampaudit.graph_meta import EXAMPLE_KEY, MODULE_KEY, SOURCE_KEY, set_origin
 from ampaudit.errors import CaptureError
+from ampaudit.policy import Policy
+from ampaudit.simulate import target_autocast
 
 
 
@@ -111,20 +115,20 @@ def _getitem(seq, i):
 _getitem.__name__ = "getitem"
 
 
-def _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype):
-    with torch.no_grad(), modules, _Recorder(graph, modules, known, consts), model_code_only():
-        if autocast_dtype is None or device_type == "meta":
-            return model(*args, **kwargs)
-        with torch.autocast(device_type, dtype=autocast_dtype):
-            return model(*args, **kwargs)
+def _record(model, args, kwargs, graph, modules, known, consts, device_type, policy):
+    amp = contextlib.nullcontext() if policy is None else target_autocast(policy, device_type)
+    # The target's autocast outside the recorder: the simulation's own dispatch mode must not be recorded.
+    with torch.no_grad(), amp, modules, _Recorder(graph, modules, known, consts), model_code_only():
+        return model(*args, **kwargs)
 
 
-def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, autocast_dtype: torch.dtype | None = None,
+def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None,
                      _notes: list | None = None) -> Capture:
     """Run one forward under the recorder and return the straight-line graph of aten ops it ran.
 
-    With ``autocast_dtype`` the forward runs under the model device's autocast, so ``.to(x.dtype)`` records the
-    dtype x really has under autocast (an fp32 run would bake in fp32); if that forward raises, fp32 is used.
+    With ``policy`` the forward runs under the target's autocast (:func:`ampaudit.simulate.target_autocast`), so
+    ``.to(x.dtype)`` records the dtype x really has under autocast (an fp32 run would bake in fp32); if that
+    forward raises, fp32 is used.
     """
     graph = fx.Graph()
     known = WeakIdKeyDictionary()
@@ -142,15 +146,15 @@ def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, autocast_dt
     device_type = next((t.device.type for t in attrs.values()), "cpu")
     notes = []
     try:
-        out = _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype)
+        out = _record(model, args, kwargs, graph, modules, known, consts, device_type, policy)
     except Exception as exc:
-        if autocast_dtype is None:
+        if policy is None:
             reason = " ".join(str(exc).split())[:200]
             raise CaptureError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {reason}",
                                hint="check that example_inputs() fits the model; run it in plain PyTorch first") from exc
         # The forward raises under autocast (a constant that does not fit, say): record the fp32 path instead.
         notes.append(f"the forward raised {type(exc).__name__} under {device_type} autocast; recorded in fp32")
-        return capture_dispatch(model, args, kwargs, autocast_dtype=None, _notes=notes)
+        return capture_dispatch(model, args, kwargs, policy=None, _notes=notes)
     outs = [known.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     graph.output(tuple(o for o in outs if o is not None))
     graph.eliminate_dead_code()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Callable
 
 from ampaudit.errors import AmpAuditError
 
@@ -30,3 +31,13 @@ def require(module: str, *, extra: str, feature: str) -> ModuleType:
             raise  # the package is there but one of its own dependencies is broken: show the real error
         raise MissingExtraError(f"{feature} needs the {top!r} package, which is not installed",
                                 hint=f"pip install 'ampaudit[{extra}]'") from exc
+
+
+def tensorboard_at_close(logdir) -> Callable[[list[dict]], int] | None:
+    """The callbacks' ``tensorboard=``: None, or the session's ``on_close`` that writes the run's scalars to
+    ``logdir`` (a MissingExtraError now, before training, when tensorboard is not installed)."""
+    if logdir is None:
+        return None
+    from ampaudit.integrations.tensorboard import writer_at_close
+
+    return writer_at_close(logdir)

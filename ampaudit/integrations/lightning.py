@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ampaudit.integrations import require
+from ampaudit.integrations import require, tensorboard_at_close
 
 _pl = None
 for _name in ("lightning.pytorch", "pytorch_lightning"):
@@ -86,7 +86,7 @@ class AmpAuditCallback(SessionViews, _pl.Callback):
         super().__init__()
         self.session = WatchSession(trace, every=every, divergence_every=divergence_every,
                                     raise_on_nonfinite=raise_on_nonfinite, stats=stats,
-                                    grad_norm_every=grad_norm_every, tensorboard=tensorboard)
+                                    grad_norm_every=grad_norm_every, on_close=tensorboard_at_close(tensorboard))
         self.dtype = dtype
         self._scale: float | None = None       # the loss scale the current step runs with
         self._stepped = False

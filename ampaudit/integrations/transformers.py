@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ampaudit.integrations import require
+from ampaudit.integrations import require, tensorboard_at_close
 
 _transformers = require("transformers", extra="transformers", feature="ampaudit.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402  (after the dependency check)
@@ -65,7 +65,7 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
                  dtype: torch.dtype | None = None, grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None):
         self.session = WatchSession(trace, every=every, divergence_every=divergence_every,
                                     raise_on_nonfinite=raise_on_nonfinite, stats=stats,
-                                    grad_norm_every=grad_norm_every, tensorboard=tensorboard)
+                                    grad_norm_every=grad_norm_every, on_close=tensorboard_at_close(tensorboard))
         self.dtype = dtype
         self._scale: float | None = None
         self._want_loss = False

@@ -37,7 +37,7 @@ from ampaudit.analysis.calibrate import batch_loss
 from ampaudit.errors import AmpAuditError, InputError, UsageError
 from ampaudit.notes import note
 from ampaudit.planning import fp8
-from ampaudit.runtime.locate import capture_rng, preserved
+from ampaudit.runtime.replay_state import capture_rng, preserved
 from ampaudit.runtime.trace import jsonable
 from ampaudit.wrappers import unwrap
 

@@ -44,7 +44,9 @@ from ampaudit.notes import note
 from ampaudit.dtypes import is_low, limits
 from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import ieee_fp32, rounded_to, upcast
-from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
+from ampaudit.runtime.module_stack import module_names
+from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
+from ampaudit.wrappers import unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
 from ampaudit.runtime.own_rerun import ChildrenInFP32
 from ampaudit.runtime.stats import full_counts

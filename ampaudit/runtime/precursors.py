@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ampaudit.dtypes import dtype_of, limits
 from ampaudit.policy import precursors as precursor_policy
-from ampaudit.runtime.locate import module_names
+from ampaudit.runtime.module_stack import module_names
 
 # (owner, attribute, kind): the functions whose calls are recorded on a sampled pass.
 PATCHED = ((F, "softmax", "softmax"), (torch, "softmax", "softmax"), (torch.Tensor, "softmax", "softmax"),
