@@ -112,12 +112,35 @@ def _dtype_at(op: torch._ops.OpOverload) -> int | None:
     return names.index("dtype") if "dtype" in names else None
 
 
+# Who wants to see each call a policy kernel runs (innermost last): see observing().
+_OBSERVERS: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observing(observer: Callable) -> Iterator[None]:
+    """While active, each op a policy kernel of the simulation handles is handed to
+    ``observer(op, args, kwargs, run)``, with ``args``/``kwargs`` as the model passed them (before the kernel's
+    casts); ``run()`` runs it as simulated and returns the output, which the observer returns. A dispatch-level
+    recorder records the model's own call there (one node, where a composite op such as softmax would show
+    only the casts and pieces it decomposes into), and the static policy types it."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
 def _kernel(op: torch._ops.OpOverload, how: str | None) -> Callable:
     """The AutocastCPU kernel applying CUDA's policy ``how`` to ``op``, then running it below autocast."""
     below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     at = _dtype_at(op)
 
     def kernel(*args, **kwargs):
+        if _OBSERVERS:
+            return _OBSERVERS[-1](op, args, kwargs, lambda: _apply(*args, **kwargs))
+        return _apply(*args, **kwargs)
+
+    def _apply(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(below):
             if how == "lower":
                 args, kwargs = _cast((args, kwargs), torch.get_autocast_dtype("cpu"))

@@ -89,11 +89,13 @@ def test_capture_runs_under_the_simulation(mode):
     assert _entered(lambda: run(CUDA)) >= 1
     assert _entered(lambda: run(CPU)) == 0
     if mode == "dispatch":
-        # The recorded dtype of exp's output: CUDA's fp32, not CPU autocast's bf16.
-        def exp_dtype(cap):
-            node = next(n for n in cap.gm.graph.nodes if "exp" in str(n.target))
-            return node.meta[EXAMPLE_KEY].dtype
-        assert exp_dtype(caps["cuda"]) is torch.float32 and exp_dtype(caps["cpu"]) is torch.bfloat16
+        # The recorded dtype of exp's output: CUDA's fp32, not CPU autocast's bf16; and exp is recorded as the
+        # model called it, on the linear's output, not on the simulation's cast to fp32 (the policy types it).
+        def exp_of(cap):
+            return next(n for n in cap.gm.graph.nodes if "exp" in str(n.target))
+        assert exp_of(caps["cuda"]).meta[EXAMPLE_KEY].dtype is torch.float32
+        assert exp_of(caps["cpu"]).meta[EXAMPLE_KEY].dtype is torch.bfloat16
+        assert [str(exp_of(c).args[0].target) for c in (caps["cuda"], caps["cpu"])] == ["aten.addmm.default"] * 2
 
 
 def test_mixed_dtype_probe_runs_under_the_simulation():

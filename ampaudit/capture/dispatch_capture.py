@@ -24,7 +24,7 @@ from ampaudit.capture.fx_capture import Capture, model_code_only, user_frame
 from ampaudit.graph_meta import EXAMPLE_KEY, MODULE_KEY, SOURCE_KEY, set_origin
 from ampaudit.errors import CaptureError
 from ampaudit.policy import Policy
-from ampaudit.simulate import target_autocast
+from ampaudit.simulate import observing, target_autocast
 
 
 
@@ -73,6 +73,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, graph: fx.Graph, modules: _ModuleStack, known: WeakIdKeyDictionary, consts: dict):
         super().__init__()
         self.graph, self.modules, self.known, self.consts = graph, modules, known, consts
+        self.paused = False    # inside an op the simulation runs: its casts and pieces are not the model's
 
     def _node_for(self, t: torch.Tensor) -> fx.Node:
         node = self.known.get(t)
@@ -86,10 +87,27 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         if func.overloadpacket.__name__ in _SKIP:
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and args[0] in self.known:
                 self.known[out] = self.known[args[0]]
             return out
+        return self._add(func, args, kwargs, out)
+
+    def simulated(self, func, args, kwargs, run):
+        """An op the CUDA simulation casts (:func:`ampaudit.simulate.observing`): one node, the model's own call
+        with its own arguments, as for the ops autocast leaves alone; the policy types it statically."""
+        if self.paused:
+            return run()
+        self.paused = True
+        try:
+            out = run()
+        finally:
+            self.paused = False
+        return self._add(func, args, kwargs, out)
+
+    def _add(self, func, args, kwargs, out):
         n_args, n_kwargs = tree_map(lambda a: self._node_for(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
         set_origin(node, self.modules.current, user_frame())
@@ -117,8 +135,9 @@ _getitem.__name__ = "getitem"
 
 def _record(model, args, kwargs, graph, modules, known, consts, device_type, policy):
     amp = contextlib.nullcontext() if policy is None else target_autocast(policy, device_type)
+    recorder = _Recorder(graph, modules, known, consts)
     # The target's autocast outside the recorder: the simulation's own dispatch mode must not be recorded.
-    with torch.no_grad(), amp, modules, _Recorder(graph, modules, known, consts), model_code_only():
+    with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only():
         return model(*args, **kwargs)
 
 
