@@ -26,7 +26,7 @@ from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
 from ampaudit.notes import collect
 from ampaudit.quiet import quiet
-from ampaudit.runtime.locate import buffer_snapshot
+from ampaudit.runtime.replay_state import buffer_snapshot
 
 
 @dataclass
@@ -99,7 +99,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     # training mode would move BatchNorm's running statistics. An audit changes nothing the user has.
     restore = buffer_snapshot(model)
     try:
-        cap = capture_any(model, args, kwargs, mode=capture_mode, autocast_dtype=policy.low)
+        cap = capture_any(model, args, kwargs, mode=capture_mode, policy=policy)
         prop = AmpProp(cap.gm, policy, specialize=specialize)
         g_args, g_kwargs = cap.graph_inputs(args, kwargs)
         with quiet():                      # fake kernels (torchvision's) warn while shapes propagate

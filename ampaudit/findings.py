@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,10 +94,24 @@ class Report:
                 "suppressed": self.suppressed, "nodes": self.nodes}
 
     def to_dict(self) -> dict:
-        from ampaudit.report.groups import group_ids
-
         # Every finding, each with the id of its group (the rows of the terminal table).
         findings = [{**f.as_dict(), "group": g} for f, g in zip(self.findings, group_ids(self.findings))]
         return {"version": REPORT_VERSION, "target": self.target, "capture": self.capture, "policy": self.policy,
                 "findings": findings, "summary": self.summary(), "notes": self.notes,
                 **({"calibration": self.calibration} if self.calibration is not None else {})}
+
+
+_NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?%?")
+
+
+def group_key(f: Finding) -> tuple:
+    """Findings of one rule that differ only in their numbers (a misaligned channel count per layer, a share) are
+    one group: one pattern and one row of the table (:mod:`ampaudit.report.groups`); JSON keeps each one's
+    numbers."""
+    return (f.rule, f.severity, _NUMBER.sub("#", f.message))
+
+
+def group_ids(findings: list[Finding]) -> list[int]:
+    """The group index of each finding, groups numbered in order of their first finding."""
+    index: dict[tuple, int] = {}
+    return [index.setdefault(group_key(f), len(index)) for f in findings]

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ampaudit.dtypes import name_of
+# DTypeLimits, unit_roundoff and low_dtype live in ampaudit.dtypes; imported from here by older callers.
+from ampaudit.dtypes import DTypeLimits, dtype_of, limits, low_dtype, name_of, short_name, unit_roundoff  # noqa: F401
 from ampaudit.errors import RuleError, UsageError
 
 DEVICES = ("cuda", "cpu")
+# check's targets: float8 runs its non-GEMM ops in bf16.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
 CATEGORIES = ("lower", "fp32", "fp32_output", "promote", "banned")
 
@@ -77,20 +79,6 @@ def kernels() -> dict:
     return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", []))}
 
 
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """Half the gap between 1 and the next ``dtype`` value: the relative error of one rounding (fp16 4.9e-4)."""
-    return float(torch.finfo(dtype).eps) / 2
-
-
-def low_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """``dtype`` (or its name) as the 16-bit float dtype errors are judged in; fp16 when unknown or not 16-bit."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize >= 4:
-        return torch.float16
-    return dtype
-
-
 def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float]:
     """(warning, error) relative-L2 thresholds of a module's own error in ``dtype``: multiples of its unit
     roundoff (rules/policy/settings.toml [calibration]); fp16 when the dtype is unknown or not 16-bit."""
@@ -107,25 +95,6 @@ def kernel_hazard(op: str, dtype: torch.dtype) -> str | None:
     if hazard == "range" and name_of(dtype) in kernels()["wide_range"]:
         return "storage"
     return hazard
-
-
-@dataclass(frozen=True)
-class DTypeLimits:
-    """What a float dtype can hold; the numbers come from torch.finfo."""
-
-    dtype: torch.dtype
-    max: float
-    normal: float  # smallest positive normal
-    subnormal: float  # smallest positive subnormal
-
-    @classmethod
-    def of(cls, dtype: torch.dtype) -> "DTypeLimits":
-        fi = torch.finfo(dtype)
-        return cls(dtype, float(fi.max), float(fi.smallest_normal), float(fi.smallest_normal) * float(fi.eps))
-
-    def as_dtype(self, value: float) -> float:
-        """``value`` rounded to this dtype (inf when it overflows, 0 when it flushes)."""
-        return float(torch.tensor(value, dtype=torch.float64).to(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -149,10 +118,10 @@ class Policy:
 
     @property
     def limits(self) -> DTypeLimits:
-        return DTypeLimits.of(self.low)
+        return limits(self.low)
 
     def short(self) -> str:
-        return {"float16": "fp16", "bfloat16": "bf16", "float8": "fp8"}[self.dtype_name]
+        return short_name(self.dtype_name)
 
     def describe(self) -> dict:
         return {"device": self.device, "dtype": self.dtype_name}
@@ -176,7 +145,7 @@ def _load_policy(device: str, dtype: str) -> Policy:
     align = settings()["alignment"]
     gemm = None
     if dtype == "float8":
-        gemm = getattr(torch, settings()["float8"]["gemm_dtype"], None)
+        gemm = dtype_of(settings()["float8"]["gemm_dtype"])
     return Policy(device=device, dtype_name=dtype, low=DTYPES[dtype], alignment=int(align[dtype]), table=table,
                   gemm_dtype=gemm)
 

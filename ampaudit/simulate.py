@@ -1,8 +1,11 @@
 """CUDA autocast on a CPU: a CPU-autocast forward in which every op gets the dtype CUDA autocast would give it.
 
-    with torch.autocast("cpu", dtype=torch.float16), simulation(Policy.load("cuda", "float16")) as sim:
+    with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
         out = model(x)      # GEMMs in fp16; softmax, exp, sum, layer_norm, x.norm() (F.normalize's) in fp32
     sim.notes               # what had to be approximated: ops CPU has no float16 kernel for
+
+:func:`target_autocast` is what every stage that means "under the target" runs in (capture, propagation
+probes, calibration, fix verification); :class:`PolicyUpcast` is the simulation inside it.
 
 Autocast is a dispatch key. An aten op called on CPU tensors meets the AutocastCPU key, whose kernel for that op
 (if any) casts the inputs by CPU's policy; CUDA's policy is registered on AutocastCUDA, a key CPU tensors never
@@ -33,19 +36,19 @@ from __future__ import annotations
 import contextlib
 import re
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from ampaudit.dtypes import is_half, name_of
 from ampaudit.machine.kernels import kernel_gap
 from ampaudit.notes import note
 from ampaudit.policy import Policy, op_names
 from ampaudit.quiet import quiet
 
 _KEY = "AutocastCPU"
-_LOW = (torch.float16, torch.bfloat16)
 
 
 @lru_cache(maxsize=None)
@@ -109,12 +112,35 @@ def _dtype_at(op: torch._ops.OpOverload) -> int | None:
     return names.index("dtype") if "dtype" in names else None
 
 
+# Who wants to see each call a policy kernel runs (innermost last): see observing().
+_OBSERVERS: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observing(observer: Callable) -> Iterator[None]:
+    """While active, each op a policy kernel of the simulation handles is handed to
+    ``observer(op, args, kwargs, run)``, with ``args``/``kwargs`` as the model passed them (before the kernel's
+    casts); ``run()`` runs it as simulated and returns the output, which the observer returns. A dispatch-level
+    recorder records the model's own call there (one node, where a composite op such as softmax would show
+    only the casts and pieces it decomposes into), and the static policy types it."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
 def _kernel(op: torch._ops.OpOverload, how: str | None) -> Callable:
     """The AutocastCPU kernel applying CUDA's policy ``how`` to ``op``, then running it below autocast."""
     below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     at = _dtype_at(op)
 
     def kernel(*args, **kwargs):
+        if _OBSERVERS:
+            return _OBSERVERS[-1](op, args, kwargs, lambda: _apply(*args, **kwargs))
+        return _apply(*args, **kwargs)
+
+    def _apply(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(below):
             if how == "lower":
                 args, kwargs = _cast((args, kwargs), torch.get_autocast_dtype("cpu"))
@@ -156,7 +182,7 @@ class _EmulateLowKernels(TorchDispatchMode):
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
             low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                        and t.dtype in _LOW), None)
+                        and is_half(t.dtype)), None)
             missing, gap = _NO_LOW_KERNEL.search(str(exc)), kernel_gap(exc, low)
             if gap is None or (missing is None and low is None):
                 raise
@@ -167,7 +193,7 @@ class _EmulateLowKernels(TorchDispatchMode):
         originals: dict[int, torch.Tensor] = {}
 
         def up(t):
-            if isinstance(t, torch.Tensor) and t.dtype in _LOW:
+            if isinstance(t, torch.Tensor) and is_half(t.dtype):
                 u = t.float()
                 originals[id(u)] = t
                 return u
@@ -184,7 +210,7 @@ class _EmulateLowKernels(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and id(t) in originals:
                     originals[id(t)].copy_(t)
         flat, spec = tree_flatten(out)
-        low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dtype in _LOW),
+        low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and is_half(t.dtype)),
                    torch.float32)
         for i, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
@@ -193,10 +219,10 @@ class _EmulateLowKernels(TorchDispatchMode):
                 flat[i] = originals[id(t)]
             elif want and want[i] is not None and want[i] != t.dtype:
                 flat[i] = t.to(want[i])            # float16, or complex32 (polar)
-            elif not want and t.dtype == torch.float32 and low in _LOW:
+            elif not want and t.dtype == torch.float32 and is_half(low):
                 flat[i] = t.to(low)
         message = (f"CUDA simulation: {lacks} for {func.overloadpacket}; it ran in float32, rounded to "
-                   f"{str(low).replace('torch.', '')}")
+                   f"{name_of(low)}")
         if message not in self.notes:
             self.notes.append(message)
         note(message)
@@ -215,7 +241,13 @@ def _output_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> li
 
 class PolicyUpcast:
     """While entered (inside ``torch.autocast("cpu", dtype=policy.low)``), CPU autocast follows ``policy``'s
-    device instead of CPU's; see the module docstring. ``notes`` lists what was approximated."""
+    device instead of CPU's; see the module docstring. ``notes`` lists what was approximated.
+
+    ``PolicyUpcast.entered`` counts the simulated regions this process entered (tests read it to check that a
+    stage ran under the simulation); ``PolicyUpcast.active`` is the one entered now, if any."""
+
+    entered: ClassVar[int] = 0
+    active: ClassVar["PolicyUpcast | None"] = None
 
     def __init__(self, policy: Policy):
         self.policy = policy
@@ -223,6 +255,13 @@ class PolicyUpcast:
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> "PolicyUpcast":
+        PolicyUpcast.entered += 1
+        if PolicyUpcast.active is not None:
+            # Nested (a stage run inside another's simulation): the kernels are registered already.
+            if PolicyUpcast.active.policy != self.policy:
+                raise RuntimeError("a simulation of another policy is active")
+            self.notes = PolicyUpcast.active.notes
+            return self
         with contextlib.ExitStack() as stack:
             stack.enter_context(quiet())    # torch warns (once) that a kernel is overridden, and more inside
             lib = torch.library.Library("aten", "IMPL")
@@ -234,11 +273,13 @@ class PolicyUpcast:
                 lib.impl(op.split("::", 1)[1], kernel, _KEY)
             stack.enter_context(_EmulateLowKernels(self.notes))
             self._stack = stack.pop_all()
+        PolicyUpcast.active = self
         return self
 
     def __exit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
+            PolicyUpcast.active = None
             stack.close()
 
 
@@ -247,3 +288,36 @@ def simulation(policy: Policy) -> contextlib.AbstractContextManager:
     if policy.device == "cpu":
         return contextlib.nullcontext()
     return PolicyUpcast(policy)
+
+
+def simulated(policy: Policy, device: str) -> bool:
+    """Whether a forward on ``device`` tensors runs ``policy``'s target through the simulation (a CUDA target's
+    forward on CPU tensors), rather than through ``device``'s own autocast."""
+    return device == "cpu" and policy.device != "cpu"
+
+
+@contextlib.contextmanager
+def target_autocast(policy: Policy, device: str = "cpu", *, enter_autocast: bool = True,
+                    **autocast_kw: Any) -> Iterator[PolicyUpcast | None]:
+    """The one way ampaudit runs a forward "under the target": autocast to ``policy.low`` as ``policy``'s device
+    applies it, for a forward whose tensors are on ``device``::
+
+        with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
+            out = model(x)     # CPU autocast, with CUDA's policy simulated; sim.notes: what was approximated
+
+    On the target's own device (or any device but a CPU running a CUDA target) this is that device's
+    ``torch.autocast`` and yields None; on ``"meta"`` (no kernels, autocast never applies) nothing at all.
+    ``autocast_kw`` go to ``torch.autocast`` (``cache_enabled``). ``enter_autocast=False`` is for callers that
+    enter ``torch.autocast(device, dtype=policy.low)`` themselves, around the forward only (the runtime's
+    measurements, which also run in training): it applies only the simulation, if any. Capture, the
+    propagation probes, calibration and the verification of graph and source fixes all run through here."""
+    if device == "meta":
+        yield None
+        return
+    amp = torch.autocast(device, dtype=policy.low, **autocast_kw) if enter_autocast else contextlib.nullcontext()
+    with amp:
+        if not simulated(policy, device):
+            yield None
+            return
+        with PolicyUpcast(policy) as sim:
+            yield sim

@@ -21,8 +21,9 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map
 
+from ampaudit.dtypes import name_of
 from ampaudit.policy import Policy
-from ampaudit.simulate import simulation
+from ampaudit.simulate import target_autocast
 
 
 @dataclass
@@ -54,11 +55,10 @@ class Device:
         """This device's autocast in ``dtype`` (fp32: none); on the simulated device, with CUDA's policy."""
         if dtype == torch.float32 or not enabled:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(self.type, dtype=dtype))
-        if self.simulated:
-            stack.enter_context(simulation(Policy.load("cuda", str(dtype).replace("torch.", ""))))
-        return stack
+        # CUDA's policy on the GPU (its own autocast) and on the simulated device (CPU tensors, the simulation);
+        # a plain CPU device keeps CPU's.
+        target = "cuda" if self.simulated or self.type == "cuda" else "cpu"
+        return target_autocast(Policy.load(target, name_of(dtype)), self.type)
 
     def timer(self) -> Callable[[], float]:
         """A wall clock that waits for the device's queued work before reading the time."""

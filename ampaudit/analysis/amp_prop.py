@@ -34,12 +34,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ampaudit.graph_meta import SourceLoc, example_of, module_of, source_of
 from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, real_error, run_promoted
 from ampaudit.capture.opaque import NOTHING_INSIDE, inline_call, plain, record_call, user_function
+from ampaudit.dtypes import by_name
 from ampaudit.errors import InputError
 from ampaudit.policy import Policy, op_names
 
 AMP_KEY = "amp"
 
-_CAST_TARGETS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+# Tensor methods that cast (x.float(), x.half()): each method is named after its dtype.
+_CAST_TARGETS = {m: by_name(m) for m in ("float", "half", "bfloat16", "double")}
 
 
 

@@ -7,9 +7,9 @@
     cal.buffers       # running statistics beyond the dtype's range
     cal.decisions     # per decision op (argmax, topk, x > t, round, ...): the share that differs from FP32
 
-Calibration runs on the CPU (``device_type="cuda"`` runs it on a GPU's own autocast instead: what
-bench/gpu_day.py compares the simulation with). A CPU target runs under CPU autocast as it is. A CUDA target is
-simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
+Calibration runs where the model is, under the target's autocast (:func:`ampaudit.simulate.target_autocast`): on a
+GPU its own autocast (what bench/gpu_day.py compares the simulation with). On a CPU, a CPU target runs under CPU
+autocast as it is, and a CUDA target is simulated (:mod:`ampaudit.simulate`): CPU autocast lowers the GEMMs as CUDA's does, and the ops CUDA autocast keeps
 in fp32 (softmax, exp, pow, sum, norm, layer_norm, ...) run in fp32 however the model reaches them, so the numbers
 follow CUDA's policy table.
 
@@ -32,9 +32,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from ampaudit.dtypes import limits, narrower
 from ampaudit.policy import Policy
-from ampaudit.runtime.locate import float_tensors, module_names
-from ampaudit.simulate import simulation
+from ampaudit.runtime.module_stack import module_names
+from ampaudit.runtime.replay_state import float_tensors, model_device
+from ampaudit.simulate import target_autocast
 from ampaudit.wrappers import unwrap
 
 
@@ -69,21 +71,24 @@ def _merge(into: dict, row: dict) -> None:
 
 def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
               loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-              origin: str = "the given batches", device_type: str = "cpu") -> Calibration:
+              origin: str = "the given batches", device_type: str | None = None) -> Calibration:
     """Measure ``model`` on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)`` under ``policy``
     (see the module docstring). The backward runs too: of ``loss_fn(output, target)`` for batches with a
     target, else of the mean of the floating outputs (computed in fp32). ``origin`` names where the batches
-    came from in ``cal.backward`` ("train_data()"). ``device_type="cuda"`` (model and batches already on the GPU)
-    runs real CUDA autocast instead of the CPU simulation: what the simulation is checked against
-    (bench/gpu_day.py)."""
+    came from in ``cal.backward`` ("train_data()"). The forwards run under
+    :func:`~ampaudit.simulate.target_autocast` on ``device_type`` (default: where the model's parameters are):
+    on a GPU (model and batches already there) CUDA's own autocast, what the simulation is checked against
+    (bench/gpu_day.py); on a CPU a CUDA target is simulated."""
     from ampaudit.runtime.compare import compare_to_fp32
     from ampaudit.runtime.decision_record import measure_or_note
     from ampaudit.runtime.locate import judge_against_fp32, locate_nonfinite
 
     batches = list(batches)
+    device_type = device_type or model_device(unwrap(model))
     cal = Calibration(policy=policy, batches=0, backward=backward_label(loss_fn, batches, origin))
-    # On a real GPU its own autocast applies the policy; on CPU the simulation does.
-    policy_on = (lambda: simulation(policy)) if device_type == "cpu" else contextlib.nullcontext
+    # The measurements enter autocast around their forwards only; on CPU, a CUDA target is simulated.
+    def policy_on():
+        return target_autocast(policy, device_type, enter_autocast=False)
     model_was_training = model.training
     model.eval()  # calibration measures; it must not move BatchNorm statistics
     try:
@@ -121,7 +126,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
     for name, row in cal.modules.items():
         judge_range(row, cal.out_dtypes.get(name), policy.low)
     # Buffers are judged against the low dtype: the message is about the model cast to it (model.half()).
-    limit = torch.finfo(policy.low).max
+    limit = policy.limits.max
     for name, buf in model.named_buffers():
         if buf.is_floating_point() and not buf.is_meta and buf.numel():
             # Largest finite magnitude: an inf or NaN already in FP32 (clamp bounds of +-inf that mean "no
@@ -152,7 +157,7 @@ def _require_fp32_forward(model: nn.Module, args, kwargs, where: str) -> None:
     """An InputError when the FP32 forward raises on this batch too: the batch does not fit the model (a
     train_data() of the wrong shape), which is no autocast fault to report."""
     from ampaudit.errors import InputError
-    from ampaudit.runtime.locate import preserved
+    from ampaudit.runtime.replay_state import preserved
 
     try:
         with torch.no_grad(), preserved(unwrap(model), None):
@@ -181,15 +186,10 @@ def _machine_gap(ev: dict, policy: Policy) -> bool:
 _HOLDS_FP32 = (torch.float32, torch.float64)
 
 
-def _narrower(a: torch.dtype, b: torch.dtype) -> bool:
-    fa, fb = torch.finfo(a), torch.finfo(b)
-    return (fa.bits, fa.max) < (fb.bits, fb.max)
-
-
 @contextlib.contextmanager
 def output_dtypes(model: nn.Module, *, into: dict[str, torch.dtype]) -> Iterator[dict[str, torch.dtype]]:
     """While active, record in ``into`` the narrowest floating dtype each module of ``model`` returns (names as
-    :func:`~ampaudit.runtime.locate.module_names` gives them; a module called twice keeps the narrower)::
+    :func:`~ampaudit.runtime.module_stack.module_names` gives them; a module called twice keeps the narrower)::
 
         with torch.autocast("cpu", dtype=torch.float16), output_dtypes(model, into=seen):
             model(x)
@@ -205,7 +205,7 @@ def output_dtypes(model: nn.Module, *, into: dict[str, torch.dtype]) -> Iterator
             return
         for t in float_tensors(out):
             prev = into.get(name)
-            if prev is None or _narrower(t.dtype, prev):
+            if prev is None or narrower(t.dtype, prev):
                 into[name] = t.dtype
 
     handle = register_module_forward_hook(record)
@@ -224,7 +224,7 @@ def judge_range(row: dict, stored: torch.dtype | None, low: torch.dtype) -> dict
     if stored in _HOLDS_FP32 and "absmax" in row:
         a = row["absmax"]
         row.update(overflow=0, underflow_share=0.0, flush_share=0.0,
-                   headroom_bits=(math.log2(torch.finfo(stored).max / a) if 0 < a < math.inf
+                   headroom_bits=(math.log2(limits(stored).max / a) if 0 < a < math.inf
                                   else (math.inf if a == 0 else -math.inf)))
         row["range_dtype"] = str(stored).replace("torch.", "")
     else:

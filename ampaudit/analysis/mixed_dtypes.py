@@ -96,10 +96,10 @@ def raises_at_autocast_dtypes(interp, n: fx.Node, category: str | None) -> tuple
         return None
     # Confirmed under the target's autocast: a composite op is cast in the ops it decomposes into (einsum's
     # bmm is lowered, so einsum takes mixed dtypes), which the kernel alone does not show.
-    from ampaudit.simulate import simulation
+    from ampaudit.simulate import target_autocast
 
     # On CPU zeros (meta tensors never meet autocast); too large to confirm is not reported.
-    with torch.autocast("cpu", dtype=interp.policy.low), simulation(interp.policy):
+    with target_autocast(interp.policy, "cpu"):
         exc = real_error(interp, n, args, kwargs, max_numel=_CHECK_NUMEL, too_big=_UNCONFIRMED)
     if exc is None or exc is _UNCONFIRMED or kernel_gap(exc, interp.policy.low) is not None:
         return None     # (a kernel this CPU lacks for the dtype says nothing about mixed dtypes on the target)

@@ -9,7 +9,6 @@ is spliced in by propagation (``ampaudit.capture.opaque``); export and dispatch 
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ampaudit.capture.dispatch_capture import capture_dispatch
@@ -17,6 +16,7 @@ from ampaudit.capture.export_capture import capture_export
 from ampaudit.capture.fx_capture import Capture, capture
 from ampaudit.graph_meta import SourceLoc
 from ampaudit.errors import CaptureError, UsageError
+from ampaudit.policy import Policy
 from ampaudit.quiet import quiet
 
 MODES = ("auto", "fx", "export", "dispatch")
@@ -25,14 +25,16 @@ __all__ = ["Capture", "SourceLoc", "capture", "capture_any", "capture_export", "
 
 
 def capture_any(model: nn.Module, args: tuple, kwargs: dict, *, mode: str = "auto",
-                autocast_dtype: torch.dtype | None = None) -> Capture:
-    """Capture ``model`` with ``mode``, or (``auto``) with the first of fx, export, dispatch that succeeds."""
+                policy: Policy | None = None) -> Capture:
+    """Capture ``model`` with ``mode``, or (``auto``) with the first of fx, export, dispatch that succeeds.
+    Export and dispatch run the forward under ``policy``'s autocast (:func:`ampaudit.simulate.target_autocast`)
+    when given."""
     if mode not in MODES:
         raise UsageError(f"unknown capture mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
     attempts = {
         "fx": lambda: capture(model),
-        "export": lambda: capture_export(model, args, kwargs, autocast_dtype=autocast_dtype),
-        "dispatch": lambda: capture_dispatch(model, args, kwargs, autocast_dtype=autocast_dtype),
+        "export": lambda: capture_export(model, args, kwargs, policy=policy),
+        "dispatch": lambda: capture_dispatch(model, args, kwargs, policy=policy),
     }
     order = list(attempts) if mode == "auto" else [mode]
     notes: list[str] = []

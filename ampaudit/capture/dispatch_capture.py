@@ -11,6 +11,8 @@ so it cannot be rewritten by ``fix``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -21,6 +23,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ampaudit.capture.fx_capture import Capture, model_code_only, user_frame
 from ampaudit.graph_meta import EXAMPLE_KEY, MODULE_KEY, SOURCE_KEY, set_origin
 from ampaudit.errors import CaptureError
+from ampaudit.policy import Policy
+from ampaudit.simulate import observing, target_autocast
 
 
 
@@ -69,6 +73,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, graph: fx.Graph, modules: _ModuleStack, known: WeakIdKeyDictionary, consts: dict):
         super().__init__()
         self.graph, self.modules, self.known, self.consts = graph, modules, known, consts
+        self.paused = False    # inside an op the simulation runs: its casts and pieces are not the model's
 
     def _node_for(self, t: torch.Tensor) -> fx.Node:
         node = self.known.get(t)
@@ -82,10 +87,27 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         if func.overloadpacket.__name__ in _SKIP:
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and args[0] in self.known:
                 self.known[out] = self.known[args[0]]
             return out
+        return self._add(func, args, kwargs, out)
+
+    def simulated(self, func, args, kwargs, run):
+        """An op the CUDA simulation casts (:func:`ampaudit.simulate.observing`): one node, the model's own call
+        with its own arguments, as for the ops autocast leaves alone; the policy types it statically."""
+        if self.paused:
+            return run()
+        self.paused = True
+        try:
+            out = run()
+        finally:
+            self.paused = False
+        return self._add(func, args, kwargs, out)
+
+    def _add(self, func, args, kwargs, out):
         n_args, n_kwargs = tree_map(lambda a: self._node_for(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
         set_origin(node, self.modules.current, user_frame())
@@ -111,20 +133,21 @@ def _getitem(seq, i):
 _getitem.__name__ = "getitem"
 
 
-def _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype):
-    with torch.no_grad(), modules, _Recorder(graph, modules, known, consts), model_code_only():
-        if autocast_dtype is None or device_type == "meta":
-            return model(*args, **kwargs)
-        with torch.autocast(device_type, dtype=autocast_dtype):
-            return model(*args, **kwargs)
+def _record(model, args, kwargs, graph, modules, known, consts, device_type, policy):
+    amp = contextlib.nullcontext() if policy is None else target_autocast(policy, device_type)
+    recorder = _Recorder(graph, modules, known, consts)
+    # The target's autocast outside the recorder: the simulation's own dispatch mode must not be recorded.
+    with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only():
+        return model(*args, **kwargs)
 
 
-def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, autocast_dtype: torch.dtype | None = None,
+def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None,
                      _notes: list | None = None) -> Capture:
     """Run one forward under the recorder and return the straight-line graph of aten ops it ran.
 
-    With ``autocast_dtype`` the forward runs under the model device's autocast, so ``.to(x.dtype)`` records the
-    dtype x really has under autocast (an fp32 run would bake in fp32); if that forward raises, fp32 is used.
+    With ``policy`` the forward runs under the target's autocast (:func:`ampaudit.simulate.target_autocast`), so
+    ``.to(x.dtype)`` records the dtype x really has under autocast (an fp32 run would bake in fp32); if that
+    forward raises, fp32 is used.
     """
     graph = fx.Graph()
     known = WeakIdKeyDictionary()
@@ -142,15 +165,15 @@ def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, autocast_dt
     device_type = next((t.device.type for t in attrs.values()), "cpu")
     notes = []
     try:
-        out = _record(model, args, kwargs, graph, modules, known, consts, device_type, autocast_dtype)
+        out = _record(model, args, kwargs, graph, modules, known, consts, device_type, policy)
     except Exception as exc:
-        if autocast_dtype is None:
+        if policy is None:
             reason = " ".join(str(exc).split())[:200]
             raise CaptureError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {reason}",
                                hint="check that example_inputs() fits the model; run it in plain PyTorch first") from exc
         # The forward raises under autocast (a constant that does not fit, say): record the fp32 path instead.
         notes.append(f"the forward raised {type(exc).__name__} under {device_type} autocast; recorded in fp32")
-        return capture_dispatch(model, args, kwargs, autocast_dtype=None, _notes=notes)
+        return capture_dispatch(model, args, kwargs, policy=None, _notes=notes)
     outs = [known.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     graph.output(tuple(o for o in outs if o is not None))
     graph.eliminate_dead_code()

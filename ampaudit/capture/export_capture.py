@@ -20,6 +20,8 @@ from torch import nn
 from ampaudit.capture.fx_capture import Capture, is_user_file
 from ampaudit.graph_meta import SourceLoc, set_origin
 from ampaudit.errors import CaptureError
+from ampaudit.policy import Policy
+from ampaudit.simulate import target_autocast
 
 # Checks export inserts; they compute nothing.
 _ASSERTS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
@@ -65,33 +67,33 @@ def _quiet():
         logging.disable(previous)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, autocast_dtype: torch.dtype | None):
+def _export(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None):
     from ampaudit.capture.opaque import export_anchors
 
     with _quiet(), export_anchors():
-        return _export_loud(model, args, kwargs, autocast_dtype)
+        return _export_loud(model, args, kwargs, policy)
 
 
-def _export_loud(model: nn.Module, args: tuple, kwargs: dict, autocast_dtype: torch.dtype | None):
+def _export_loud(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None):
     device_type = next((t.device.type for t in model.parameters()), "cpu")
-    if autocast_dtype is None or device_type not in ("cpu", "cuda"):
+    if policy is None or device_type not in ("cpu", "cuda"):
         return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-    with torch.autocast(device_type, dtype=autocast_dtype):
+    with target_autocast(policy, device_type):
         return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
 
 
-def capture_export(model: nn.Module, args: tuple, kwargs: dict, *,
-                   autocast_dtype: torch.dtype | None = None) -> Capture:
+def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None) -> Capture:
     """torch.export.export(strict=False), unlifted so parameters are get_attr nodes with their original names.
 
-    Exporting under ``autocast_dtype`` bakes ``.to(x.dtype)`` as the dtype x has under autocast (an fp32 export
-    would bake fp32); the graph's ops are still the un-autocast aten ops, which the policy tables then type.
+    Exporting under ``policy``'s autocast (:func:`ampaudit.simulate.target_autocast`) bakes ``.to(x.dtype)`` as
+    the dtype x has under the target's autocast (an fp32 export would bake fp32); the graph's ops are still the
+    un-autocast aten ops, which the policy tables then type.
     """
     try:
         try:
-            ep = _export(model, args, kwargs, autocast_dtype)
+            ep = _export(model, args, kwargs, policy)
         except Exception:
-            if autocast_dtype is None:
+            if policy is None:
                 raise
             ep = _export(model, args, kwargs, None)
         gm = ep.module()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from ampaudit.errors import AmpAuditError
 
@@ -33,15 +33,26 @@ def require(module: str, *, extra: str, feature: str) -> ModuleType:
                                 hint=f"pip install 'ampaudit[{extra}]'") from exc
 
 
+def tensorboard_at_close(logdir) -> Callable[[list[dict]], int] | None:
+    """The callbacks' ``tensorboard=``: None, or the session's ``on_close`` that writes the run's scalars to
+    ``logdir`` (a MissingExtraError now, before training, when tensorboard is not installed)."""
+    if logdir is None:
+        return None
+    from ampaudit.integrations.tensorboard import writer_at_close
+
+    return writer_at_close(logdir)
+
+
 def callback_session(trace: Any, *, config: Any = None, **options: Any) -> Any:
     """The watch session a callback drives: ``trace`` and ``options`` as the callback's arguments give them, with
     the trace settings (``trace``, ``trace_every``, ``divergence_every``, and ``tensorboard`` when none is given)
     of ``config``, the run's :class:`~ampaudit.train.config.TrainConfig`, when there is one."""
     from ampaudit.runtime.session import WatchSession
 
+    tensorboard = options.pop("tensorboard", None)
     if config is not None:
         options.update(config.watch_options())
         trace = options.pop("trace")
-        if options.get("tensorboard") is None:
-            options["tensorboard"] = config.tensorboard
-    return WatchSession(trace, **options)
+        if tensorboard is None:
+            tensorboard = config.tensorboard
+    return WatchSession(trace, on_close=tensorboard_at_close(tensorboard), **options)

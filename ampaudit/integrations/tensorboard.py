@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ampaudit.errors import UsageError
 from ampaudit.integrations import require
@@ -116,3 +116,11 @@ def write_tensorboard(events: Iterable[dict], logdir: str | os.PathLike) -> int:
     finally:
         writer.close()
     return out.count
+
+
+def writer_at_close(logdir: str | os.PathLike) -> Callable[[list[dict]], int]:
+    """What a callback hands its :class:`~ampaudit.runtime.session.WatchSession` as ``on_close`` to write the
+    run's scalars to ``logdir`` when training ends; checks now that the tensorboard extra is installed (fail
+    before training, not after it)."""
+    require("tensorboard", extra="tensorboard", feature="tensorboard=")
+    return lambda events: write_tensorboard(events, logdir)

@@ -26,12 +26,13 @@ from typing import Callable
 
 import torch
 
+from ampaudit.dtypes import CPP_NAMES, is_half
+
 FORCE_ENV = "AMPAUDIT_FORCE_NO_FP16_KERNELS"
 
 # How a missing kernel words itself. oneDNN names the primitive; torch's dispatch stubs name the dtype.
 _ONEDNN = re.compile(r"could not create a primitive descriptor(?: for (?:the |an? )?(?P<op>\w+))?", re.IGNORECASE)
 _NOT_IMPLEMENTED = re.compile(r"\"?(?P<op>\w+)\"? not implemented for '(?P<dtype>Half|BFloat16)'")
-_DTYPE_NAMES = {"Half": "float16", "BFloat16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def kernel_gap(error: BaseException | str | None, dtype: torch.dtype | str | Non
         return KernelGap("oneDNN", name, m["op"] or "")
     m = _NOT_IMPLEMENTED.search(text)
     if m:
-        return KernelGap("", _DTYPE_NAMES[m["dtype"]], m["op"])
+        return KernelGap("", CPP_NAMES[m["dtype"]], m["op"])
     return None
 
 
@@ -92,7 +93,7 @@ def run_gap(error: BaseException, device_type: str, dtype: torch.dtype | None) -
         # "this CPU's oneDNN has no float16 LSTM kernel, so float16 autocast cannot run this model on this
         # machine", "train with --dtype bfloat16 here"
     """
-    gap = kernel_gap(error, dtype) if device_type == "cpu" and dtype in (torch.float16, torch.bfloat16) else None
+    gap = kernel_gap(error, dtype) if device_type == "cpu" and is_half(dtype) else None
     if gap is None:
         return None
     other = "bfloat16" if gap.dtype == "float16" else "float32"

@@ -27,6 +27,7 @@ import math
 import torch
 from torch import nn
 
+from ampaudit.dtypes import limits
 from ampaudit.errors import UsageError
 from ampaudit.planning import fp8
 from ampaudit.planning.recipes import Recipe
@@ -176,8 +177,8 @@ def _mx_cast(r: Recipe, t: torch.Tensor) -> dict[str, float]:
 
     q = MXTensor.to_mx(t, torch.float8_e4m3fn, r.block, mode.RCEIL)
     decode = q.scale.float().repeat_interleave(r.block, dim=-1).reshape(t.shape)
-    info = torch.finfo(torch.float8_e4m3fn)
-    return block_stats(t, q.dequantize(torch.float32), decode, fmt_max=info.max, fmt_tiny=info.tiny)
+    info = limits(torch.float8_e4m3fn)
+    return block_stats(t, q.dequantize(torch.float32), decode, fmt_max=info.max, fmt_tiny=info.normal)
 
 
 def quant_stats(r: Recipe, x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor | None) -> dict:

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 
+from ampaudit.dtypes import limits
 from ampaudit.errors import UsageError
 from ampaudit.quiet import debug
 
@@ -135,14 +136,14 @@ def cast_stats(t: torch.Tensor, *, dtype: torch.dtype, granularity="tensorwise",
     # Exactly torchao's cast (_ToFloat8ConstrFunc): fp32 multiply by the scale, then a saturated cast.
     scaled = x * scale
     q = to_fp8_saturated(scaled, dtype).float()
-    info = torch.finfo(dtype)
+    info = limits(dtype)
     amax = float(magnitude.max())
     # Values within half an ulp above max round to max anyway; only those beyond were clipped by saturation.
     clip_at = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
     q_mag = q.abs()
     flushed = int((counted & (q_mag == 0)).sum())
     clipped = int((counted & (scaled.abs() > clip_at)).sum())
-    subnormal = int((counted & (q_mag > 0) & (q_mag < info.tiny)).sum())
+    subnormal = int((counted & (q_mag > 0) & (q_mag < info.normal)).sum())
     smallest = float(magnitude[counted].min())
     finite_max = float(magnitude[counted].max())
     return {"amax": amax, "scale": smallest_scale, "flushed_share": flushed / n, "clipped_share": clipped / n,

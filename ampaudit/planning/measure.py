@@ -38,7 +38,7 @@ from ampaudit.errors import AmpAuditError, InputError, UsageError
 from ampaudit.notes import note
 from ampaudit.planning import fp8
 from ampaudit.planning.recipes import Recipe, recipe, recipe_names
-from ampaudit.runtime.locate import capture_rng, preserved
+from ampaudit.runtime.replay_state import capture_rng, preserved
 from ampaudit.runtime.trace import jsonable
 from ampaudit.wrappers import unwrap
 

@@ -53,12 +53,12 @@ def hist_row(ev: dict, step: int | None) -> dict | None:
 
 def dtype_range(dtype: Any) -> dict:
     """log2 of the dtype's smallest subnormal and normal, and ``floor(log2 max)``; float16 when unknown."""
-    from ampaudit.policy import DTypeLimits
+    from ampaudit.dtypes import limits
 
     dt = by_name(dtype) if isinstance(dtype, str) else None
     if dt not in (torch.float16, torch.bfloat16, torch.float32):
         dt = torch.float16
-    lim = DTypeLimits.of(dt)
+    lim = limits(dt)
     return {"dtype": name_of(dt), "min_subnormal_log2": round(math.log2(lim.subnormal)),
             "min_normal_log2": round(math.log2(lim.normal)), "max_log2": math.floor(math.log2(lim.max))}
 

@@ -10,12 +10,10 @@ Groups are ordered by their first finding, so execution order survives.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:    # annotations only: findings.py numbers its groups with this module
-    from ampaudit.findings import Finding
+from ampaudit.findings import Finding, group_ids, group_key  # noqa: F401  (group_ids: the report's too)
 
 # Module patterns of one group shown in the table before "and N more patterns".
 MAX_PATTERNS = 3
@@ -46,13 +44,7 @@ class Group:
         return list({(loc["file"], loc["line"]): loc for loc in located}.values())   # first-seen order
 
 
-_NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?%?")
-
-
-def _key(f: Finding) -> tuple:
-    # Findings of one rule that differ only in their numbers (a misaligned channel count per layer, a share) are
-    # one pattern and one row; JSON keeps each one's numbers.
-    return (f.rule, f.severity, _NUMBER.sub("#", f.message))
+_key = group_key
 
 
 def group_findings(findings: list[Finding]) -> list[Group]:
@@ -64,12 +56,6 @@ def group_findings(findings: list[Finding]) -> list[Group]:
             g = groups[_key(f)] = Group(f.rule, f.severity, f.message)
         g.findings.append(f)
     return list(groups.values())
-
-
-def group_ids(findings: list[Finding]) -> list[int]:
-    """The group index of each finding (as ``group_findings`` numbers them)."""
-    index: dict[tuple, int] = {}
-    return [index.setdefault(_key(f), len(index)) for f in findings]
 
 
 def module_pattern(modules: list[str]) -> str:

@@ -25,7 +25,8 @@ from ampaudit.rewrite.fixers import FIXERS, FixJob, island_devices, of_kind
 from ampaudit.rewrite.flags import island_findings
 from ampaudit.rewrite.report import FixReport
 from ampaudit.wrappers import unwrap
-from ampaudit.rewrite.verify import runtime_device, verify_outputs
+from ampaudit.rewrite.verify import verify_outputs
+from ampaudit.runtime.replay_state import model_device
 
 KEEP_FP32_HINT = ("keep your eager model and run the flagged modules in fp32 with "
                   "ampaudit.keep_fp32(model, ['module.path', ...]), or edit your source with ampaudit fix --diff")
@@ -114,9 +115,9 @@ def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) 
 def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate, padded, data=None):
     from ampaudit.api import audit
 
-    device_type = runtime_device(original)
-    v = verify_outputs(original, fixed, args, kwargs, device_type=device_type, dtype=policy.low)
-    if device_type != policy.device:
+    device_type = model_device(original)
+    v = verify_outputs(original, fixed, args, kwargs, device_type=device_type, policy=policy)
+    if device_type != policy.device and not v.target:
         v.notes.append(f"outputs compared under {device_type} autocast: the model's weights are on {device_type}, "
                        f"the target is {policy.device}")
     again = audit(fixed, *args, device=policy.device, dtype=policy.dtype_name, select=select, ignore=ignore,

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ampaudit.dtypes import is_low
 from ampaudit.findings import Finding
 from ampaudit.registry import Registry
 from ampaudit.rewrite.report import FixReport
@@ -72,7 +73,7 @@ def baseline_casts(flags: dict) -> int:
     from ampaudit.analysis.amp_prop import AMP_KEY
 
     total = 0
-    low = lambda d: isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize < 4  # noqa: E731
+    low = is_low
     for node in flags:
         info = node.meta.get(AMP_KEY)
         inputs = [u for u in node.all_input_nodes if u.op not in ("placeholder", "get_attr")]

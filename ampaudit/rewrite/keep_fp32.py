@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ampaudit.dtypes import is_low_tensor
 from ampaudit.errors import UsageError
 
 # Device types whose autocast state is checked on each call.
@@ -33,7 +34,7 @@ _CLASSES: dict[type, type] = {}
 
 
 def _upcast(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype.itemsize < 4:
+    if is_low_tensor(value):
         return value.float()
     return value
 

@@ -1,10 +1,11 @@
 """Verification of a fix: FP32 outputs unchanged, autocast outputs against FP32 before and after, and a re-check.
 
-    v = verify_outputs(original, fixed, args, kwargs, device_type="cpu", dtype=torch.float16)
+    v = verify_outputs(original, fixed, args, kwargs, device_type="cpu", policy=Policy.load("cuda", "float16"))
     v.fp32_max_abs, v.before.rel_err, v.after.nonfinite
 
 Relative error is max |y - y_fp32| / max |y_fp32| over each floating output (the error against the output's
-scale; elementwise ratios explode near zero). Every forward runs under ``torch.no_grad()`` with the same RNG
+scale; elementwise ratios explode near zero). The autocast forwards run under the target
+(:func:`ampaudit.simulate.target_autocast`: a CUDA target's policy is simulated on a CPU). Every forward runs under ``torch.no_grad()`` with the same RNG
 seed, and buffers (BatchNorm running statistics) are restored afterwards, so verifying changes nothing.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.dtypes import name_of
+from ampaudit.policy import Policy
+from ampaudit.simulate import simulated, target_autocast
 
 # FP32 outputs may differ by this much (relative) where the rewrite had to change op order (padded K dims).
 FP32_TOLERANCE = 1e-6
@@ -50,6 +53,7 @@ class Verification:
     after: AmpRun
     remaining: list[dict] = field(default_factory=list)   # findings of the fixed families still there
     notes: list[str] = field(default_factory=list)
+    target: str = ""             # the policy's device, when its autocast was simulated on ``device_type``
 
     @property
     def fp32_ok(self) -> bool:
@@ -68,7 +72,7 @@ class Verification:
         fp32 = "bitwise equal" if self.fp32_bitwise else \
             f"max abs diff {_fmt(self.fp32_max_abs)} (rel {_fmt(self.fp32_max_rel)})"
         out = [f"FP32 outputs: {fp32}",
-               f"{self.dtype} autocast on {self.device_type}, vs FP32: before {self.before.describe()}; "
+               f"{self.dtype} autocast on {self.device_type}{self._simulated()}, vs FP32: before {self.before.describe()}; "
                f"after {self.after.describe()}"]
         if self.remaining:
             rules = ", ".join(sorted({f['rule'] for f in self.remaining}))
@@ -76,6 +80,9 @@ class Verification:
         else:
             out.append("re-check: clean for the fixed families")
         return out + self.notes
+
+    def _simulated(self) -> str:
+        return f" ({self.target}'s policy simulated)" if self.target and self.target != self.device_type else ""
 
 
 def _fmt(x: float | None) -> str:
@@ -101,13 +108,13 @@ def preserved(*models: nn.Module) -> Iterator[None]:
 
 
 def run(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str | None = None,
-        dtype: torch.dtype | None = None) -> Any:
-    """One seeded forward without grad; under autocast when ``device_type`` is given."""
+        policy: Policy | None = None) -> Any:
+    """One seeded forward without grad; under ``policy``'s autocast (on ``device_type`` tensors) when given."""
     torch.manual_seed(0)
     with torch.no_grad():
-        if device_type is None:
+        if policy is None:
             return model(*args, **kwargs)
-        with torch.autocast(device_type, dtype=dtype):
+        with target_autocast(policy, device_type or "cpu"):
             return model(*args, **kwargs)
 
 
@@ -133,9 +140,9 @@ def compare(out: Any, ref: Any) -> tuple[float, float, int]:
     return max_abs, max_rel, bad
 
 
-def _amp_run(model: nn.Module, args: tuple, kwargs: dict, ref: Any, device_type: str, dtype: torch.dtype) -> AmpRun:
+def _amp_run(model: nn.Module, args: tuple, kwargs: dict, ref: Any, device_type: str, policy: Policy) -> AmpRun:
     try:
-        out = run(model, args, kwargs, device_type=device_type, dtype=dtype)
+        out = run(model, args, kwargs, device_type=device_type, policy=policy)
     except Exception as exc:  # the unfixed model may raise (masked_fill with a constant fp16 cannot hold)
         return AmpRun(error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
     _, rel, bad = compare(out, ref)
@@ -148,19 +155,16 @@ def _bitwise(out: Any, ref: Any) -> bool:
 
 
 def verify_outputs(original: nn.Module, fixed: nn.Module, args: tuple, kwargs: dict, *, device_type: str,
-                   dtype: torch.dtype) -> Verification:
-    """Compare ``fixed`` with ``original`` in FP32, and both under autocast against FP32."""
+                   policy: Policy) -> Verification:
+    """Compare ``fixed`` with ``original`` in FP32, and both under ``policy``'s autocast against FP32
+    (``device_type``: where the models' tensors are)."""
     with preserved(original, fixed):
         ref = run(original, args, kwargs)
         out = run(fixed, args, kwargs)
-        before = _amp_run(original, args, kwargs, ref, device_type, dtype)
-        after = _amp_run(fixed, args, kwargs, ref, device_type, dtype)
+        before = _amp_run(original, args, kwargs, ref, device_type, policy)
+        after = _amp_run(fixed, args, kwargs, ref, device_type, policy)
     max_abs, max_rel, _ = compare(out, ref)
-    return Verification(device_type=device_type, dtype=name_of(dtype), fp32_max_abs=max_abs,
-                        fp32_max_rel=max_rel, fp32_bitwise=_bitwise(out, ref), before=before, after=after)
+    return Verification(device_type=device_type, dtype=name_of(policy.low), fp32_max_abs=max_abs,
+                        fp32_max_rel=max_rel, fp32_bitwise=_bitwise(out, ref), before=before, after=after,
+                        target=policy.device if simulated(policy, device_type) else "")
 
-
-def runtime_device(model: nn.Module) -> str:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device.type
-    return "cpu"

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import is_low, limits
 from ampaudit.graph_meta import SourceLoc, owner
 from ampaudit.policy import Policy
 from ampaudit.registry import Registry
@@ -32,8 +33,8 @@ COMMON_FIELDS = {"op", "module", "device", "dtype", "low", "max", "max_sqrt", "m
 
 
 def limit_fields(dtype: torch.dtype) -> dict[str, float]:
-    """The limits of ``dtype`` a message may name (see COMMON_FIELDS), from torch.finfo."""
-    big = float(torch.finfo(dtype).max)
+    """The limits of ``dtype`` a message may name (see COMMON_FIELDS), from dtypes.limits."""
+    big = limits(dtype).max
     return {"max": big, "max_sqrt": math.sqrt(big), "max_cbrt": big ** (1 / 3), "max_log": math.log(big),
             "max_inv": 1 / big}
 
@@ -76,7 +77,7 @@ class MatchContext:
 
     def is_low(self, dtype: torch.dtype | None) -> bool:
         """True for the dtypes the policy lowers to (fp16/bf16, and fp8 for GEMMs)."""
-        return dtype is not None and dtype.is_floating_point and dtype.itemsize < 4
+        return is_low(dtype)
 
 
 @dataclass(frozen=True)

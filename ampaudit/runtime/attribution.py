@@ -43,7 +43,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ampaudit.policy import divergence_thresholds, low_dtype, settings, unit_roundoff
+from ampaudit.dtypes import low_dtype, unit_roundoff
+from ampaudit.policy import divergence_thresholds, settings
 
 
 @dataclass(frozen=True)

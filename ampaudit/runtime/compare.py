@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from ampaudit.runtime.divergence import METRICS, DivergenceProbe
-from ampaudit.runtime.locate import preserved, unwrap
+from ampaudit.runtime.replay_state import preserved
+from ampaudit.wrappers import unwrap
 
 
 def compare_to_fp32(model: nn.Module, args: tuple, kwargs: dict | None = None, *,

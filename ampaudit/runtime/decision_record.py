@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from ampaudit.runtime.decisions import bind, decision_kinds, decision_of, flips, kept, what
 from ampaudit.notes import note
 from ampaudit.runtime.fp32 import ieee_fp32, upcast
-from ampaudit.runtime.locate import ModuleStack, capture_rng, float_tensors, preserved, user_source
+from ampaudit.runtime.module_stack import ModuleStack, user_source
+from ampaudit.runtime.replay_state import capture_rng, float_tensors, preserved
 from ampaudit.wrappers import unwrap
 
 # Ops that read no values of their input (shapes only) or pass a decision on unchanged (views and copies: the
@@ -152,7 +153,7 @@ class DecisionRecorder(TorchDispatchMode):
 def measure_decisions(model: nn.Module, args: tuple, kwargs: dict | None = None, *, device_type: str = "cpu",
                       dtype: torch.dtype = torch.bfloat16, rng_state: dict | None = None) -> list[dict]:
     """The decision sites of one forward of ``model`` under ``torch.autocast(device_type, dtype)`` against FP32
-    (see the module docstring); ``[]`` when it makes none. ``rng_state`` (:func:`~ampaudit.runtime.locate.
+    (see the module docstring); ``[]`` when it makes none. ``rng_state`` (:func:`~ampaudit.runtime.replay_state.
     capture_rng`) is the RNG both runs start from (default: the current one). Buffers and RNG are left as they
     were. An exception of the forward propagates."""
     root = unwrap(model)

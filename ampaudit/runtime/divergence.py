@@ -45,9 +45,12 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.notes import note
+from ampaudit.dtypes import is_low, limits
 from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
-from ampaudit.runtime.locate import buffer_snapshot, float_tensors, module_names, rng_replayed, unwrap
+from ampaudit.runtime.module_stack import module_names
+from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
+from ampaudit.wrappers import unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
 from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
 from ampaudit.runtime.stats import full_counts
@@ -309,7 +312,7 @@ class DivergenceProbe:
     def _low_fed(self, name: str, call: int) -> bool:
         # A neutral module fed fp32 stays fp32 (own error 0 without a re-run); fed fp16/bf16 it computes there.
         dtypes = self._in_dtypes.get(name, [])
-        return call < len(dtypes) and any(d.itemsize < 4 for d in dtypes[call])
+        return call < len(dtypes) and any(is_low(d) for d in dtypes[call])
 
     def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
                    cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = ()) -> None:
@@ -400,7 +403,7 @@ class DivergenceProbe:
 
     def ranges_by_module(self) -> dict[str, dict]:
         """FP32 reference magnitudes per module, judged against the target dtype (with ``ranges=True``)."""
-        tmax = torch.finfo(self.dtype).max
+        tmax = limits(self.dtype).max
         result: dict[str, dict] = {}
         for name, counts, amax in self._range:
             nonzero, ge_under, ge_tiny, ge_over, _, _ = counts.tolist()

@@ -23,10 +23,11 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_map
 
+from ampaudit.dtypes import is_half
+
 # (backend module path, sub-setting) pairs with an ``fp32_precision`` attribute in torch >= 2.9.
 _SETTINGS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"),
              ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"))
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _targets() -> list[Any]:
@@ -57,7 +58,7 @@ def ieee_fp32() -> Iterator[None]:
 def upcast(tree: Any) -> Any:
     """``tree`` (tensors in tuples, lists and dicts) with fp16/bf16 tensors converted to float32."""
     if isinstance(tree, torch.Tensor):
-        return tree.float() if tree.dtype in _LOW else tree
+        return tree.float() if is_half(tree.dtype) else tree
     if isinstance(tree, (list, tuple)):
         return type(tree)(upcast(t) for t in tree)
     if isinstance(tree, dict):

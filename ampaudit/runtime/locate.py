@@ -22,140 +22,25 @@ This checks every op (one host read per op), so it is for replays and offline ch
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import dataclasses
-import os
-import re
 import sys
 import traceback
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ampaudit.capture.fx_capture import is_user_file
+from ampaudit.dtypes import is_half
 from ampaudit.notes import note
+from ampaudit.runtime.module_stack import ModuleStack, short_location, source_from_lines, user_source
+from ampaudit.runtime.replay_state import float_tensors, preserved
 from ampaudit.wrappers import unwrap
 
-_TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Ops whose outputs are uninitialised memory: garbage there is not an overflow.
 _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "resize_")
-
-
-def _short(filename: str, line: int) -> str:
-    try:
-        rel = os.path.relpath(filename)
-        filename = rel if not rel.startswith("..") else filename
-    except ValueError:  # other drive on Windows
-        pass
-    return f"{filename}:{line}"
-
-
-def user_source(frame=None) -> str | None:
-    """``file:line`` of the innermost stack frame outside torch and ampaudit (None if there is none)."""
-    f = frame if frame is not None else sys._getframe(1)
-    while f is not None:
-        if is_user_file(f.f_code.co_filename):
-            return _short(f.f_code.co_filename, f.f_lineno)
-        f = f.f_back
-    return None
-
-
-def _source_from_lines(lines: list[str]) -> str | None:
-    # Formatted stack entries, outermost first (anomaly mode's "traceback_" metadata).
-    for entry in reversed(lines):
-        m = _TB_FILE.search(entry)
-        if m and is_user_file(m["file"]):
-            return _short(m["file"], int(m["line"]))
-    return None
-
-
-def module_names(root: nn.Module) -> dict[nn.Module, str]:
-    """Module -> dotted path from ``named_modules()`` ("" for the root)."""
-    names: dict[nn.Module, str] = {}
-    for name, mod in root.named_modules():
-        names.setdefault(mod, name)
-    return names
-
-
-class ModuleStack:
-    """Forward hooks on every module of ``root`` tracking the innermost running module (while active)."""
-
-    def __init__(self, root: nn.Module, *, mark_nodes: bool = False):
-        self.names = module_names(root)
-        self.stack: list[str] = []
-        self.mark_nodes = mark_nodes
-        self._seq: list[int] = []          # autograd sequence numbers where the innermost module changed
-        self._owner: list[str] = []
-        self._handles: list[Any] = []
-        self._dummy = torch.zeros((), requires_grad=True)
-        self.locator: NonFiniteLocator | None = None
-
-    @property
-    def current(self) -> str:
-        return self.stack[-1] if self.stack else ""
-
-    def _mark(self) -> None:
-        if not self.mark_nodes:
-            return
-        if self.locator is not None:
-            self.locator.paused = True
-        try:
-            with torch.enable_grad():
-                seq = (self._dummy * 1).grad_fn._sequence_nr()
-        finally:
-            if self.locator is not None:
-                self.locator.paused = False
-        self._seq.append(seq)
-        self._owner.append(self.current)
-
-    def _pre(self, mod: nn.Module, args: Any) -> None:
-        self.stack.append(self.names.get(mod, "?"))
-        self._mark()
-
-    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self.stack:
-            self.stack.pop()
-        self._mark()
-
-    def owner_of_node(self, node: Any) -> str | None:
-        """Module whose forward created autograd ``node`` (None if unknown)."""
-        if node is None or not self._seq:
-            return None
-        i = bisect.bisect_right(self._seq, node._sequence_nr()) - 1
-        return self._owner[i] if i >= 0 else None
-
-    def __enter__(self) -> "ModuleStack":
-        for mod in self.names:
-            self._handles.append(mod.register_forward_pre_hook(self._pre))
-            self._handles.append(mod.register_forward_hook(self._post, always_call=True))
-        self._mark()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-
-def float_tensors(tree: Any) -> list[torch.Tensor]:
-    """The floating tensors of ``tree`` (tuples, lists, dicts, and dataclass outputs, which pytree leaves whole).
-
-    fp8 tensors are left out: they hold the scaled operands of an fp8 GEMM (torchao's Float8Linear), saturated by
-    their cast and without isfinite kernels; the GEMM's own output is what is checked."""
-    out = []
-    for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor):
-            if t.is_floating_point() and t.dtype.itemsize > 1:
-                out.append(t)
-        elif dataclasses.is_dataclass(t) and not isinstance(t, type):
-            out += float_tensors([getattr(t, f.name) for f in dataclasses.fields(t)])
-    return out
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -193,7 +78,7 @@ class NonFiniteLocator(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             module = self.tracker.owner_of_node(node)
             meta = node.metadata.get("traceback_") if node is not None else None
-            source = _source_from_lines(meta) if isinstance(meta, list) else None
+            source = source_from_lines(meta) if isinstance(meta, list) else None
             return "backward", module if module is not None else self.tracker.current, source
         return "forward", self.tracker.current, user_source(sys._getframe(2))
 
@@ -238,7 +123,7 @@ class NonFiniteLocator(TorchDispatchMode):
             # Whether the op ran in fp16/bf16, for the reader of the event. Whether it is a precision fault is
             # judge_against_fp32's call: an FP32 op can make an inf only the low-precision run has (its input
             # flushed to zero upstream), and one FP32 has too (T5's masked log(0)) is the model's own.
-            low = any(t.dtype in _LOW_PRECISION for t in inputs) or any(o.dtype in _LOW_PRECISION for o in outputs)
+            low = any(is_half(t.dtype) for t in inputs) or any(is_half(o.dtype) for o in outputs)
             self._record(func, kind, "op", dtype, low_precision=low)
         else:
             # inf/NaN that came from outside the computation: report once per kind of source.
@@ -248,50 +133,6 @@ class NonFiniteLocator(TorchDispatchMode):
                     self._outside_reported.add(origin)
                     self._record(func, kind, origin, dtype)
         return out
-
-
-def buffer_snapshot(root: nn.Module) -> Callable[[], None]:
-    """A copy of ``root``'s buffers (BatchNorm running stats); call the result to put them back."""
-    saved = {name: b.detach().clone() for name, b in root.named_buffers()}
-
-    def restore() -> None:
-        with torch.no_grad():
-            for name, b in root.named_buffers():
-                if name in saved and b.shape == saved[name].shape:
-                    b.copy_(saved[name])
-    return restore
-
-
-@contextlib.contextmanager
-def rng_replayed(rng_state: dict | None) -> Iterator[None]:
-    """Inside: the RNG state ``rng_state`` (see :func:`capture_rng`); outside, the state is as before."""
-    cuda_devices = list(rng_state.get("cuda", {})) if rng_state else []
-    with torch.random.fork_rng(devices=cuda_devices, enabled=True):
-        if rng_state:
-            torch.set_rng_state(rng_state["cpu"])
-            for dev, state in rng_state.get("cuda", {}).items():
-                torch.cuda.set_rng_state(state, dev)
-        yield
-
-
-@contextlib.contextmanager
-def preserved(root: nn.Module, rng_state: dict | None) -> Iterator[None]:
-    """Run a replay without side effects: buffers (BatchNorm running stats) and RNG are restored."""
-    restore = buffer_snapshot(root)
-    with rng_replayed(rng_state):
-        try:
-            yield
-        finally:
-            restore()
-
-
-def capture_rng(tensors: list[torch.Tensor]) -> dict:
-    """RNG state needed to replay a forward that sees ``tensors`` (CPU, plus their CUDA devices)."""
-    state: dict = {"cpu": torch.get_rng_state()}
-    devs = {t.device.index or 0 for t in tensors if t.is_cuda}
-    if devs:
-        state["cuda"] = {d: torch.cuda.get_rng_state(d) for d in devs}
-    return state
 
 
 def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_type: str = "cpu",
@@ -387,7 +228,7 @@ def _python_error(exc: BaseException, module: str) -> dict:
     source = None
     for entry in reversed(traceback.extract_tb(exc.__traceback__)):
         if is_user_file(entry.filename):
-            source = _short(entry.filename, entry.lineno or 0)
+            source = short_location(entry.filename, entry.lineno or 0)
             break
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return {"phase": "forward", "module": module, "op": None, "source": source, "kind": "error",

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ampaudit.runtime.fp32 import rounded_to, upcast
-from ampaudit.runtime.locate import float_tensors
+from ampaudit.runtime.replay_state import float_tensors
 
 
 def rounding_pairs(rounded: Any, fp32: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

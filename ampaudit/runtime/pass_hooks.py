@@ -27,7 +27,8 @@ from ampaudit.errors import AmpAuditError
 from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grad_hist import GradHistograms
-from ampaudit.runtime.locate import capture_rng, float_tensors, judge_against_fp32, replay
+from ampaudit.runtime.locate import judge_against_fp32, replay
+from ampaudit.runtime.replay_state import capture_rng, float_tensors
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
 from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes

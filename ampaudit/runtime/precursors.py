@@ -33,8 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ampaudit.dtypes import dtype_of, limits
 from ampaudit.policy import precursors as precursor_policy
-from ampaudit.runtime.locate import module_names
+from ampaudit.runtime.module_stack import module_names
 
 # (owner, attribute, kind): the functions whose calls are recorded on a sampled pass.
 PATCHED = ((F, "softmax", "softmax"), (torch, "softmax", "softmax"), (torch.Tensor, "softmax", "softmax"),
@@ -46,11 +47,10 @@ _SKIPPED = (RuntimeError, TypeError, ValueError, IndexError)
 def logit_limit(dtype: torch.dtype | str | None) -> float:
     """|logit| from which ``dtype`` spaces values more than ``[output_logit] max_spacing`` nats apart (bf16: 64,
     fp16: 512); an unknown dtype is judged as bf16, the wider-spaced of the two."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    dtype = dtype_of(dtype)
+    if dtype is None or not dtype.is_floating_point:
         dtype = torch.bfloat16
-    return precursor_policy()["output_logit"]["max_spacing"] / float(torch.finfo(dtype).eps)
+    return precursor_policy()["output_logit"]["max_spacing"] / limits(dtype).eps
 
 
 def sdpa_max_logit(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None, *,

@@ -9,7 +9,7 @@ The callbacks only translate their framework's hooks into these calls:
     session.add_loss(loss)                    # each micro-batch's loss (a tensor is read once, at end_step)
     session.before_optimizer_step(scaled=True)   # gradients complete, not clipped: per-parameter norms
     session.end_step(skipped=False, scale=65536.0, lr=1e-3)   # writes the `step` event; a skip names the culprits
-    session.close()                           # flush statistics, remove hooks, optionally write TensorBoard logs
+    session.close()                           # flush statistics, remove hooks, then on_close(events) if given
 
 The trainer measures the gradient norm itself (it clips) and writes its own events:
 
@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -109,7 +109,7 @@ class WatchSession:
 
     def __init__(self, trace: str | os.PathLike | TraceWriter | None = None, *, every: int = 50,
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
-                 grad_norm_every: int | None = None, tensorboard: str | os.PathLike | None = None,
+                 grad_norm_every: int | None = None, on_close: Callable[[list[dict]], Any] | None = None,
                  memory: bool = True, fp8_fallback: bool = False, replays: bool = True,
                  stats_every: int | None = None):
         self.trace = trace
@@ -120,11 +120,8 @@ class WatchSession:
         # The norms cost one pass over every gradient. With a loss scaler they are taken every step (a skipped
         # step is attributed from them); without one, every `grad_norm_every` steps (default: `every`).
         self.grad_norm_every = grad_norm_every or every
-        self.tensorboard = tensorboard
+        self.on_close = on_close    # given the run's events after the trace is closed (TensorBoard's writer)
         self.fp8_fallback = fp8_fallback
-        if tensorboard is not None:  # fail before training, not after it
-            from ampaudit.integrations import require
-            require("tensorboard", extra="tensorboard", feature="tensorboard=")
         self.watch: Watch | None = None
         self.fp8: Fp8Stats | None = None
         self.swamp: SwampMeter | None = None
@@ -380,7 +377,8 @@ class WatchSession:
             watch.close()
 
     def close(self) -> None:
-        """Flush statistics, remove the hooks, close the trace (unless shared); write TensorBoard logs when asked."""
+        """Flush statistics, remove the hooks, close the trace (unless shared); then call ``on_close`` with the
+        events (the integrations' TensorBoard logs)."""
         if self.writer is None:
             return
         try:
@@ -389,7 +387,5 @@ class WatchSession:
             writer, self.writer = self.writer, None
             if self._owns_writer:
                 writer.close()
-        if self.tensorboard is not None:
-            from ampaudit.integrations.tensorboard import write_tensorboard
-
-            write_tensorboard(self.events, self.tensorboard)
+        if self.on_close is not None:
+            self.on_close(self.events)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ampaudit.dtypes import is_half, limits
+
 # Signed integer dtype with the same width as each float dtype (bit-pattern views).
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
              torch.float64: torch.int64}
@@ -56,11 +58,10 @@ def thresholds(dtype: torch.dtype, target: torch.dtype) -> _Thresholds:
     """Bit thresholds for tensors of ``dtype`` judged against ``target`` (cached)."""
     key = (dtype, target)
     if key not in _THRESHOLDS:
-        fi, ti = torch.finfo(dtype), torch.finfo(target)
+        fi, ti = limits(dtype), limits(target)
         inf = _bits(math.inf, dtype)
-        smallest_subnormal = ti.tiny * ti.eps
-        underflow = max(1, _bits(smallest_subnormal / 2, dtype))
-        tiny = max(underflow, _bits(ti.tiny, dtype))
+        underflow = max(1, _bits(ti.subnormal / 2, dtype))
+        tiny = max(underflow, _bits(ti.normal, dtype))
         over = inf if ti.max >= fi.max else max(tiny, _bits(ti.max, dtype) + 1)
         _THRESHOLDS[key] = _Thresholds(_INT_VIEW[dtype], fi.bits, underflow, tiny, over, inf)
     return _THRESHOLDS[key]
@@ -110,7 +111,7 @@ def extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return zero, zero
     # Measured on CPU: aminmax is the fastest for 16-bit floats, separate amin/amax for fp32 (and both beat
     # abs().amax(), which also allocates a copy).
-    if t.dtype in (torch.float16, torch.bfloat16):
+    if is_half(t.dtype):
         return torch.aminmax(t)
     return t.amin(), t.amax()
 
@@ -246,7 +247,7 @@ class StatsAccumulator:
         counts = torch.stack([self._counts[k] for k in keys]).tolist() if keys else []
         mins = torch.stack([self._min_nz[k] for k in keys]).tolist() if keys else []
         by_slot = {k: (c, m) for k, c, m in zip(keys, counts, mins)}
-        tmax = torch.finfo(self.target).max
+        tmax = limits(self.target).max
         out = []
         for slot in sorted(self._observed):
             module, phase = self.names[slot]

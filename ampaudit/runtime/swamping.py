@@ -36,14 +36,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ampaudit import dtypes
 from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
 
-LOW_FLOATS = frozenset(d for d in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
-                                   getattr(torch, "float8_e5m2", None), getattr(torch, "float8_e4m3fnuz", None),
-                                   getattr(torch, "float8_e5m2fnuz", None)) if d is not None)
+LOW_FLOATS = dtypes.LOW_FLOATS
 _aten = torch.ops.aten
-_FP32_NOISE = 4 * torch.finfo(torch.float32).eps
+_FP32_NOISE = 4 * dtypes.limits(torch.float32).eps
 # Ops that carry an FP32 value along besides the pointwise ones: copies and views of the same elements.
 _CARRY = frozenset({_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten.view.default,
                     _aten._unsafe_view.default, _aten.t.default, _aten._to_copy.default,
@@ -343,7 +342,7 @@ def measure_update(start: torch.Tensor, final: torch.Tensor, intended: torch.Ten
         return None
     return {"share_rounded": rounded / n, "realized_ratio": got_norm / want_norm, "elements": int(n),
             "numel": start.numel(), "update_rel": want_norm / value_norm if value_norm > 0 else None,
-            "half_ulp_rel": float(torch.finfo(start.dtype).eps) / 2, "dtype": name_of(start.dtype)}
+            "half_ulp_rel": dtypes.unit_roundoff(start.dtype), "dtype": name_of(start.dtype)}
 
 
 def describe(c: Candidate, row: dict) -> dict:

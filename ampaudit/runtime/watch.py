@@ -40,7 +40,8 @@ from ampaudit.dtypes import name_of
 from ampaudit.errors import UsageError
 from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.grads import is_sharded, nonfinite_grads
-from ampaudit.runtime.locate import module_names, unwrap
+from ampaudit.runtime.module_stack import module_names
+from ampaudit.wrappers import unwrap
 from ampaudit.runtime.pass_hooks import NonFiniteError, PassHooks, PassState
 from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.precursors import PrecursorMeter

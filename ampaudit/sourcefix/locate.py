@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
+from ampaudit.dtypes import is_low
 from ampaudit.sourcefix.cst_tools import BINARY_OPS, receiver
 
 # Names an op goes by in source besides its own (the fx/aten name is the left one).
@@ -88,7 +89,7 @@ def _is_low(value) -> bool:
         return False
     info = value.meta.get(AMP_KEY)
     dt = getattr(info, "dtype", None)
-    return isinstance(dt, torch.dtype) and dt.is_floating_point and dt.itemsize < 4
+    return is_low(dt)
 
 
 def _is_float_tensor(value) -> bool:

@@ -23,15 +23,6 @@ from ampaudit.errors import AmpAuditError
 from ampaudit.findings import SEVERITY_RANK
 
 
-def _low(dtype_name: str):
-    """The torch dtype of a reduced-precision name (bfloat16 for a name policy.DTYPES lacks)."""
-    import torch
-
-    from ampaudit.policy import DTYPES
-
-    return DTYPES.get(dtype_name, torch.bfloat16)
-
-
 class Mirror:
     """A temporary copy of the edited files (and the target file) under their common folder's layout."""
 
@@ -104,10 +95,10 @@ class SourceVerification:
         # The edited model's max relative error may exceed the original's by one unit roundoff of the dtype
         # (2**-11 for fp16, 2**-8 for bf16): a difference that small is where one rounding lands, not a loss of
         # accuracy (an fp32 block hands the next fp16 layer differently rounded inputs).
-        from ampaudit.policy import unit_roundoff
+        from ampaudit.dtypes import low_dtype, unit_roundoff
 
         return self.outputs is not None and not worse(self.outputs.after, self.outputs.before,
-                                                      unit_roundoff(_low(self.outputs.dtype)))
+                                                      unit_roundoff(low_dtype(self.outputs.dtype)))
 
     @property
     def amp_better(self) -> bool:
@@ -201,7 +192,9 @@ def verify_sources(mirror: Mirror, loaded, fixed, original_model, *, settings: d
                    faults: bool, unsafe: bool, wanted) -> tuple[SourceVerification, Any]:
     """Compare ``fixed`` (a LoadedTarget from the mirror) with the original; returns the verification and the
     edited model's audit (for a second round of fixes)."""
-    from ampaudit.rewrite.verify import runtime_device, verify_outputs
+    from ampaudit.policy import Policy
+    from ampaudit.rewrite.verify import verify_outputs
+    from ampaudit.runtime.replay_state import model_device
 
     v = SourceVerification(loads=True, fixed_rules=sorted(fixed_rules), faults=faults, unsafe=unsafe)
     model = fixed.model
@@ -209,9 +202,9 @@ def verify_sources(mirror: Mirror, loaded, fixed, original_model, *, settings: d
         model.load_state_dict(original_model.state_dict())
     except RuntimeError as exc:
         v.weights = "the edited model's weights differ in shape (" + " ".join(str(exc).split())[:120] + ")"
-    device_type = runtime_device(original_model)
+    device_type = model_device(original_model)
     v.outputs = verify_outputs(original_model, model, loaded.args, loaded.kwargs, device_type=device_type,
-                               dtype=_low(settings["dtype"]))
+                               policy=Policy.load(settings["device"], settings["dtype"]))
     aud = audit_with(model, loaded, fixed, settings)
     v.remaining = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message,
                     "file": mirror.canon(f.location["file"]) if f.location else None,

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ampaudit.batch_norms import min_micro_batch, per_rank_batchnorms
 from ampaudit.errors import UsageError
 
 
@@ -31,17 +32,8 @@ class SmallBatchWarning(UserWarning):
     """A model with BatchNorm trains with per-rank micro-batches below ``min_micro_batch``."""
 
 
-def min_micro_batch() -> int:
-    """The micro-batch below which BatchNorm's per-rank statistics count as too noisy."""
-    from ampaudit.policy import settings
-
-    return int(settings()["batchnorm"]["min_micro_batch"])
-
-
-def batchnorm_layers(model: nn.Module) -> list[str]:
-    """Names of the BatchNorm modules of ``model`` that normalize over their own rank's micro-batch alone."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and not isinstance(m, (nn.SyncBatchNorm, CpuSyncBatchNorm))]
+# Which layers and which threshold: shared with the static audit (AMP304).
+batchnorm_layers = per_rank_batchnorms
 
 
 def small_batch_warning(layers: list[str], *, micro_batch: int, accum: int, world_size: int) -> str | None:
@@ -136,6 +128,7 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     Made by :func:`convert_for_ddp` from torch's SyncBatchNorm (same attributes, parameters and buffers)."""
 
     process_group = None
+    syncs_across_ranks = True     # ampaudit.batch_norms.SYNCS_RANKS: its statistics are not per rank
     # Whether this rank runs the model alone right now (the watch's replays on rank 0): statistics stay local.
     alone: Callable[[], bool] | None = None
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ampaudit.dtypes import is_half
 from ampaudit.errors import UsageError
 from ampaudit.runtime.grads import from_flags, is_sharded as is_dtensor, local, nonfinite_flags
 from ampaudit.train.ddp import collective_device
@@ -86,7 +87,7 @@ def policy(dtype: torch.dtype, reduce_dtype: torch.dtype):
     """The ``MixedPrecisionPolicy``: compute in ``dtype`` (fp32: no cast), gradients reduced in ``reduce_dtype``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else None
+    param_dtype = dtype if is_half(dtype) else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ampaudit.dtypes import HALF
 from ampaudit.errors import TrainError, UsageError
 
 OPT_LEVELS = ("O1", "O2")
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = HALF
 
 
 def check_opt_level(opt_level: str) -> str:

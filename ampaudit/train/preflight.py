@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ampaudit.dtypes import name_of
+from ampaudit.dtypes import HALF, name_of
 from ampaudit.policy import settings
 from ampaudit.train.ddp import collective_device
 
-LOW = (torch.float16, torch.bfloat16)
+LOW = HALF
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampaudit.dtypes import name_of
+from ampaudit.dtypes import name_of, unit_roundoff
 from ampaudit.policy import settings
 from ampaudit.runtime.swamping import LOW_FLOATS, low_precision, written_tensors
 from ampaudit.train.preflight import Check
@@ -111,7 +111,7 @@ def check_updates(model: nn.Module, batch: Any, *, dtype: torch.dtype,
     more = f" and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
     first = found[0][2]
     module = common_module([n for n, _, _ in found])
-    half = float(torch.finfo(first.dtype).eps) / 2
+    half = unit_roundoff(first.dtype)
     return Check("updates", "warn", f"{len(found)} tensor(s) change during training in low precision without an "
                  f"FP32 master: {shown}{more}; an update smaller than half an ulp of the value ({half:.1e} of it in "
                  f"{name_of(first.dtype)}) rounds away",

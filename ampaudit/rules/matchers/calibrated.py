@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 
 from ampaudit.graph_meta import SourceLoc
+from ampaudit.dtypes import max_of
+from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
@@ -75,7 +77,7 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
     cal = ctx.calibration
     if cal is None:
         return
-    tmax = float(torch.finfo(cal.policy.low).max)
+    tmax = cal.policy.limits.max
     check = rule.param("check", "overflow")
     dtype = str(cal.policy.low).replace("torch.", "")
     test = _range_test(rule, check)
@@ -85,7 +87,7 @@ def calibrated_range(ctx: MatchContext, rule) -> Iterator[Hit]:
             # calibrate judged the row against the dtype the output is stored in under autocast (judge_range)
             judged = row.get("range_dtype", dtype)
             details = {"what": "output", "absmax": row.get("absmax", 0.0),
-                       "max": float(torch.finfo(getattr(torch, judged)).max),
+                       "max": max_of(judged),
                        "headroom": row.get("headroom_bits", 0.0), "share": row.get("underflow_share", 0.0),
                        "flush": row.get("flush_share", 0.0), "extra": ""}
             if judged != dtype:

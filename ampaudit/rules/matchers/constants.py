@@ -16,8 +16,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.dtypes import name_of
-from ampaudit.policy import DTypeLimits
+from ampaudit.dtypes import DTypeLimits, limits, name_of
+from ampaudit.policy import settings
 from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"value", "as_low", "compute_dtype", "max", "subnormal", "normal", "consequence", "origin", "param"}
@@ -63,7 +63,7 @@ def constants(ctx: MatchContext, rule) -> Iterator[Hit]:
         dtype = info.compute_dtype if info.op not in raising else info.dtype
         if info.op not in ops or not ctx.is_low(dtype):
             continue
-        lim = DTypeLimits.of(dtype)
+        lim = limits(dtype)
         for value in tree_flatten((node.args, node.kwargs))[0]:
             value = _scalar_of(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, fx.Node):
@@ -103,7 +103,7 @@ def _parameter_constants(ctx: MatchContext, cfg: dict, want: str) -> Iterator[Hi
         dtype = _eps_dtype(ctx, info, used_in[info.op])
         if not ctx.is_low(dtype):
             continue
-        lim = DTypeLimits.of(dtype)
+        lim = limits(dtype)
         for name, value, default in call_params(ctx, node, cfg["default_params"]):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or _classify(float(value), lim) != want:
                 continue

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_map
 
 from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.opaque import user_function
-from ampaudit.dtypes import name_of
+from ampaudit.dtypes import exact_int_limit, name_of
+from ampaudit.policy import settings
 from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"value", "exact", "example", "rounded", "error", "compute_dtype", "how"}
@@ -34,8 +35,7 @@ _PLACEMENT = ("dtype", "device", "layout", "pin_memory", "requires_grad", "memor
 
 def exact_limit(dtype: torch.dtype) -> int:
     """The largest N such that every integer in [0, N] is exact in ``dtype``."""
-    mantissa_bits = round(-math.log2(torch.finfo(dtype).eps))  # fp16 10, bf16 7 (finfo.eps = 2 ** -bits)
-    return 2 ** (mantissa_bits + 1)
+    return exact_int_limit(dtype)
 
 
 class _NoFold(Exception):

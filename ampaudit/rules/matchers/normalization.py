@@ -72,11 +72,11 @@ def small_batch_norm(ctx: MatchContext, rule) -> Iterator[Hit]:
     """BatchNorm (not SyncBatchNorm) in a model told to train with per-rank micro-batches below the threshold."""
     if ctx.batch is None:
         return
-    from ampaudit.train.batchnorm import batchnorm_layers, min_micro_batch  # the trainer warns from the same test
+    from ampaudit.batch_norms import min_micro_batch, per_rank_batchnorms  # the trainer warns from the same test
 
     limit = min_micro_batch()
     if ctx.batch >= limit:
         return
     where: dict[str, fx.Node] = {str(n.target): n for n in ctx.gm.graph.nodes if n.op == "call_module"}
-    for name in batchnorm_layers(ctx.root):
+    for name in per_rank_batchnorms(ctx.root):
         yield Hit(where.get(name), {"batch": ctx.batch, "min_batch": limit}, module=name, op="batch_norm")

@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.dtypes import name_of
+from ampaudit.dtypes import limits, name_of
+from ampaudit.policy import settings
 from ampaudit.rules.registry import OPS, Hit, MatchContext, matcher
 
 FIELDS = {"compute_dtype", "depth", "window", "error_note", "cumulative"}
@@ -174,7 +175,7 @@ def running_sum_difference(ctx: MatchContext, rule) -> Iterator[Hit]:
 def _hit(node: fx.Node, cum: fx.Node, dim: int, window: int | None, one_sign: bool, threshold: float) -> Hit:
     cinfo = cum.meta[AMP_KEY]
     depth = cinfo.shape[dim]
-    eps = torch.finfo(cinfo.dtype).eps
+    eps = limits(cinfo.dtype).eps
     details = {"compute_dtype": name_of(cinfo.dtype), "depth": depth,
                "window": window, "cumulative": cinfo.op}
     if window is None:

@@ -1,0 +1,120 @@
+"""Where an op runs: the innermost module whose own forward runs it, and the user's source line.
+
+    names = module_names(model)               # {module: "blocks.0.attn"}, "" for the root
+    with ModuleStack(model) as tracker:       # forward hooks on every module while active
+        model(x)                              # tracker.current: the innermost running module's name
+    user_source()                             # "net.py:9", the innermost frame outside torch and ampaudit
+
+With ``mark_nodes=True`` the stack also marks autograd sequence numbers, so a backward node can be mapped to
+the module that created it (:meth:`ModuleStack.owner_of_node`), as the non-finite locator does.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ampaudit.capture.fx_capture import is_user_file
+
+_TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def short_location(filename: str, line: int) -> str:
+    try:
+        rel = os.path.relpath(filename)
+        filename = rel if not rel.startswith("..") else filename
+    except ValueError:  # other drive on Windows
+        pass
+    return f"{filename}:{line}"
+
+
+def user_source(frame=None) -> str | None:
+    """``file:line`` of the innermost stack frame outside torch and ampaudit (None if there is none)."""
+    f = frame if frame is not None else sys._getframe(1)
+    while f is not None:
+        if is_user_file(f.f_code.co_filename):
+            return short_location(f.f_code.co_filename, f.f_lineno)
+        f = f.f_back
+    return None
+
+
+def source_from_lines(lines: list[str]) -> str | None:
+    # Formatted stack entries, outermost first (anomaly mode's "traceback_" metadata).
+    for entry in reversed(lines):
+        m = _TB_FILE.search(entry)
+        if m and is_user_file(m["file"]):
+            return short_location(m["file"], int(m["line"]))
+    return None
+
+
+def module_names(root: nn.Module) -> dict[nn.Module, str]:
+    """Module -> dotted path from ``named_modules()`` ("" for the root)."""
+    names: dict[nn.Module, str] = {}
+    for name, mod in root.named_modules():
+        names.setdefault(mod, name)
+    return names
+
+
+class ModuleStack:
+    """Forward hooks on every module of ``root`` tracking the innermost running module (while active)."""
+
+    def __init__(self, root: nn.Module, *, mark_nodes: bool = False):
+        self.names = module_names(root)
+        self.stack: list[str] = []
+        self.mark_nodes = mark_nodes
+        self._seq: list[int] = []          # autograd sequence numbers where the innermost module changed
+        self._owner: list[str] = []
+        self._handles: list[Any] = []
+        self._dummy = torch.zeros((), requires_grad=True)
+        self.locator: Any = None     # paused while marking (a NonFiniteLocator)
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def _mark(self) -> None:
+        if not self.mark_nodes:
+            return
+        if self.locator is not None:
+            self.locator.paused = True
+        try:
+            with torch.enable_grad():
+                seq = (self._dummy * 1).grad_fn._sequence_nr()
+        finally:
+            if self.locator is not None:
+                self.locator.paused = False
+        self._seq.append(seq)
+        self._owner.append(self.current)
+
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(mod, "?"))
+        self._mark()
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+        self._mark()
+
+    def owner_of_node(self, node: Any) -> str | None:
+        """Module whose forward created autograd ``node`` (None if unknown)."""
+        if node is None or not self._seq:
+            return None
+        i = bisect.bisect_right(self._seq, node._sequence_nr()) - 1
+        return self._owner[i] if i >= 0 else None
+
+    def __enter__(self) -> "ModuleStack":
+        for mod in self.names:
+            self._handles.append(mod.register_forward_pre_hook(self._pre))
+            self._handles.append(mod.register_forward_hook(self._post, always_call=True))
+        self._mark()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
