@@ -107,6 +107,8 @@ class Fp8Stats:
             # Float8Linear.forward's own cast under CUDA autocast (it reads the GPU's autocast state alone).
             if torch.is_autocast_enabled("cuda"):
                 x = x.to(torch.get_autocast_dtype("cuda"))
+            elif torch.is_autocast_enabled("cpu") and getattr(mod, "casts_cpu_autocast", False):
+                x = x.to(torch.get_autocast_dtype("cpu"))    # ampaudit.planning.convert's Float8Linear
             cfg = mod.config
             pow2 = cfg.round_scales_to_power_of_2
             found = self._pending[name] = {}
