@@ -57,9 +57,16 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
     target = device or ("cuda" if torch.cuda.is_available() else "cpu")
     chosen = apply_plan(loaded.model, data, device=target, pad=pad)
     padded = chosen.get("padded") or {}
+    from collections import Counter
+
+    other = Counter(c for c in chosen["recipes"].values() if c not in ("bfloat16", "float32")
+                    and not c.startswith("float8"))
     typer.echo(f"plan: {len(chosen['float8'])} float8 layer(s)"
                + (f" ({len(padded)} padded: {'; '.join(c.describe() for c in padded.values())})" if padded else "")
+               + "".join(f", {n} {name}" for name, n in other.items())
                + f", {len(chosen['float32'])} float32, the rest bf16", err=True)
+    for note in chosen["notes"]:
+        typer.echo(note, err=True)
     return "bfloat16"
 
 
@@ -108,7 +115,7 @@ def train(
     divergence_every: Annotated[Optional[int], typer.Option(help="Compare every module with an FP32 shadow "
                                                             "forward every N steps (needs --trace and O1).")] = None,
     pad: Annotated[bool, typer.Option("--pad", help="With --plan or --dtype float8: pad the misaligned layers the plan keeps out of float8 only for alignment (zero rows and columns, the same outputs) and train them in float8; --save writes the unpadded shapes.")] = False,
-    fp8_fallback: Annotated[bool, typer.Option("--fp8-fallback", help="With --plan and --trace: a float8 layer whose input or grad_output flushes past the plan's budget trains in bf16 from then on (logged in the trace).")] = False,
+    fallback: Annotated[bool, typer.Option("--fallback", "--fp8-fallback", help="With --plan and --trace: a low-precision layer that leaves its budget on a sampled step (output SQNR vs an FP32 shadow, flushed share, amax growth) trains in the next safer recipe from the next step (recipes.toml, ending in bf16); logged in the trace, and the --plan file is rewritten.")] = False,
     tensorboard: Annotated[Optional[Path], typer.Option(help="When training ends, also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom and divergence) as TensorBoard logs here (needs --trace and the tensorboard extra).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (last.pt, halted.pt).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps.")] = None,
@@ -136,8 +143,11 @@ def train(
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     if divergence_every is not None and trace is None:
         raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
-    if fp8_fallback and trace is None:
-        raise UsageError("--fp8-fallback needs --trace FILE", hint="e.g. --plan plan.json --trace run.jsonl --fp8-fallback")
+    if fallback and trace is None:
+        raise UsageError("--fallback / --fp8-fallback needs --trace FILE",
+                         hint="e.g. --plan plan.json --trace run.jsonl --fallback")
+    if fallback and plan is None and dtype != "float8":
+        raise UsageError("--fallback switches the layers of a low-precision plan", hint="add --plan plan.json")
     if pad and plan is None and dtype != "float8":
         raise UsageError("--pad pads the layers a float8 plan keeps out for alignment", hint="add --plan plan.json or --dtype float8")
     if pad and fsdp:
@@ -171,7 +181,7 @@ def train(
         lr=lr, dtype=dtype, opt_level=opt_level, accum=accum, clip_norm=clip_norm, clip_value=clip_value,
         clip_mode="layer" if clip_per_layer else "norm", loss_scale=loss_scale,
         max_consecutive_skips=max_consecutive_skips, device=device, trace=trace, trace_every=trace_every,
-        divergence_every=divergence_every, fp8_fallback=fp8_fallback,
+        divergence_every=divergence_every, fp8_fallback=fallback, plan_file=plan if fallback else None,
         checkpoint_dir=checkpoint, checkpoint_every=checkpoint_every, fsdp=fsdp, reduce_dtype=reduce_dtype,
         fsdp_wrap=wrap,
         compile=compile,

@@ -23,6 +23,8 @@ dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``opti
 parameters to optimize (the FP32 masters under O2; default AdamW), ``scheduler`` a factory called with the optimizer.
 A run that keeps skipping steps raises :class:`~ampaudit.errors.TrainingHalted` after writing a checkpoint and a
 diagnosis; SIGINT/SIGTERM end the run after the current step with a checkpoint (``result.stopped`` names the signal).
+``fp8_fallback=True`` (with a trace) switches a plan's layer that leaves its budget to a safer recipe
+(:mod:`ampaudit.runtime.fallback`), rewriting ``plan_file`` when given.
 """
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ class Trainer(TrainerState):
                  warmup_steps: int | None = None, scale_lr: str | None = None, base_batch: int | None = None,
                  micro_batch: int | None = None, eval_data: Any = None, eval_every: int | None = None,
                  metric_fn: Callable[[Any, Any], dict] | None = None,
-                 checkpoint_activations: str | list[str] | None = None, sync_bn: bool = False):
+                 checkpoint_activations: str | list[str] | None = None, sync_bn: bool = False,
+                 plan_file: str | Path | None = None):
         self.dtype = parse_train_dtype(dtype)
         self.opt_level = check_opt_level(opt_level)
         self._clip_mode, self._clip_max = check_options(
@@ -214,6 +217,7 @@ class Trainer(TrainerState):
         # the other ranks, and under compile the watch has not seen the compiled passes it would replay.
         self.session = WatchSession(trace if self.dist.is_main else None, every=trace_every,
                                     divergence_every=divergence_every, memory=False, fp8_fallback=fp8_fallback,
+                                    plan_file=plan_file,
                                     replays=not (self.fsdp or compile or synced), stats_every=1 if compile else None)
         # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
         # The micro-batch the LR policy read from the data already, if it had to: train_data() is not read twice.
