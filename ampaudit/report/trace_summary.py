@@ -85,6 +85,8 @@ class TraceData:
     halts: list[dict] = field(default_factory=list)
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
     fp8_budget: list[dict] = field(default_factory=list)
+    recipes: list[dict] = field(default_factory=list)       # rows of ampaudit.report.trace_recipes
+    fallbacks: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
     swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
     preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)
@@ -126,11 +128,13 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.grad_hist import hist_row
     from ampaudit.report.trace_swamping import preflight_rows, swamping_row
     from ampaudit.report.trace_precursors import precursor_row
+    from ampaudit.report.trace_recipes import fallback_row, recipe_row
 
     # Kinds read by their own module's row function into one TraceData list (a None row is skipped).
     rows = {"grad_hist": (hist_row, "grad_hist"), "fp8": (fp8_row, "fp8"), "fp8_budget": (budget_row, "fp8_budget"),
             "eval": (eval_row, "evals"), "swamping": (swamping_row, "swamping"),
-            "decision": (decision_row, "decisions"), "precursor": (precursor_row, "precursors")}
+            "decision": (decision_row, "decisions"), "precursor": (precursor_row, "precursors"),
+            "recipe_stats": (recipe_row, "recipes"), "fallback": (fallback_row, "fallbacks")}
     data = TraceData()
     last_step = 0
     for ev in events:
@@ -309,6 +313,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.report.trace_fp8 import fp8_summary
     from ampaudit.report.trace_swamping import swamping_summary
     from ampaudit.report.trace_precursors import precursor_summary
+    from ampaudit.report.trace_recipes import recipes_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -343,6 +348,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
                        "first_jump": first_jump(data, found, scope)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
+        "recipes": recipes_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
         "eval": eval_summary(data),
         "swamping": swamping_summary(data),

@@ -57,6 +57,18 @@ module's own error at every depth, a composite's measured with the submodules it
 ``local`` events for leaf modules only, with the same meaning; the report judges both the same way
 (:mod:`ampaudit.runtime.attribution`), so in a version-2 trace no composite can be named. Besides these, a version-2 trace
 is a version-3 trace without the three new kinds.
+
+Version 4 adds, for the layers a plan converted to a low-precision recipe (``ampaudit train --plan``; any recipe
+of rules/policy/recipes.toml), ``recipe_stats`` (:mod:`ampaudit.runtime.recipe_stats`, on step 1 and each multiple
+of the statistics interval): module, recipe (the layer's current choice), gemms (its GEMMs kept otherwise, e.g.
+``{"grad_weight": "bfloat16"}``), ``sqnr_db`` (its output against FP32 of the same layer on the same input, null
+when exact), and ``input`` and ``grad_output`` each ``{amax, flushed_share, amax_growth}`` (the share of nonzero
+values the recipe's own cast makes 0; amax over the layer's first sampled amax), ``grad_output`` absent when no
+gradient reached it; and, with ``--fallback``, ``fallback`` (:mod:`ampaudit.runtime.fallback`): module, from, to
+(recipes.toml's ``safer`` of ``from``), reason (sqnr | input_flushed | grad_output_flushed | input_amax_growth |
+grad_output_amax_growth), value, limit and why (words); the layer trains in ``to`` from the next step. Under
+``--fallback`` an ``fp8_budget`` event's ``fallback`` is false: the ``fallback`` event says what happened. A
+version-3 trace is a version-4 trace without the two new kinds.
 """
 from __future__ import annotations
 
@@ -69,7 +81,7 @@ from typing import IO, Any
 from ampaudit.errors import TraceError
 
 # Also the newest version ampaudit report reads (it reads 1 and 2 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 3
+TRACE_VERSION = 4
 # Written once per module and interval: with a trace file they go there only, not to ``EventLog.events`` too.
 BULK_EVENTS = frozenset({"stats", "grad_hist", "precursor"})
 
