@@ -72,7 +72,10 @@ def _float8_config(name: str, per_gemm: dict[str, str], emulate: bool):
     changes: dict[str, Any] = {"emulate": emulate}
     for gemm, casts in _FLOAT8_CASTS.items():
         if per_gemm[gemm] in HIGH_PRECISION:
-            changes.update({field: CastConfig(scaling_type=ScalingType.DISABLED) for field in casts})
+            for field in casts:
+                # torchao requires an operand's casts to agree in dtype (e.g. grad_output's e5m2), disabled or not.
+                base = getattr(cfg, field) or getattr(cfg, field.split("_for_")[0])
+                changes[field] = CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=base.target_dtype)
     return dataclasses.replace(cfg, **changes)
 
 
