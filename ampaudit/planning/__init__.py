@@ -6,5 +6,7 @@
     choose.py    the decision and its reasons
     api.py       ``ampaudit.plan(model, batches, ...)`` -> Plan, and its JSON contract
     apply.py     a plan applied to a model for training (``ampaudit train --plan``)
+    convert.py   one Linear in any recipe of rules/policy/recipes.toml through torchao, switched in place
+    nvfp4_emulated.py   NVFP4's GEMM numerics through torchao's NVFP4Tensor where its training config refuses
     report.py    the terminal table
 """

@@ -26,7 +26,9 @@ On the steps the statistics sample, in-place updates of low-precision state that
 ``session.measure_updates(optimizer=..., mastered=..., names=...)``).
 Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``, ``precursor``), the ``step`` events
 and, when the model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
-(:mod:`ampaudit.runtime.fp8_stats`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
+(:mod:`ampaudit.runtime.fp8_stats`), and for a plan's low-precision layers ``recipe_stats`` and, with
+``fp8_fallback``, ``fallback`` events (:mod:`ampaudit.runtime.recipe_stats`, :mod:`ampaudit.runtime.fallback`)
+go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
 (not closed here), or memory (``session.events``) when ``trace`` is None and ``memory`` is True.
 """
 from __future__ import annotations
