@@ -17,7 +17,7 @@ import ampaudit.cli.commands  # noqa: E402,F401  registers the commands
 from ampaudit.cli.app import app  # noqa: E402
 from ampaudit.errors import InputError, TrainError, UsageError  # noqa: E402
 from ampaudit.planning.apply import apply_plan, normalise_plan  # noqa: E402
-from ampaudit.planning.convert import recipe_of, recipes_of, set_recipe  # noqa: E402
+from ampaudit.planning.convert import emulation_notes, recipe_of, recipes_of, set_recipe  # noqa: E402
 from ampaudit.planning.nvfp4_emulated import nvfp4_qdq  # noqa: E402
 from ampaudit.planning.recipes import recipe  # noqa: E402
 from ampaudit.runtime.recipe_stats import sqnr_db  # noqa: E402
@@ -118,9 +118,10 @@ def test_nvfp4_is_emulated_on_its_grid_and_says_so():
         ratio = (block.abs() / scale)
         assert torch.allclose(ratio, grid[(ratio[:, None] - grid).abs().argmin(1)], atol=1e-4)
     model = _net()
-    chosen = apply_plan(model, _plan({"0": "nvfp4", "2": "mxfp8"}))
-    assert chosen["recipes"] == {"0": "nvfp4", "2": "mxfp8"} and len(chosen["notes"]) == 1
-    assert "emulated here through torchao's NVFP4Tensor" in chosen["notes"][0]
+    assert apply_plan(model, _plan({"0": "nvfp4", "2": "mxfp8"})) == {"float8": [], "float32": []}
+    assert {n: r["choice"] for n, r in recipes_of(model).items()} == {"0": "nvfp4", "2": "mxfp8"}
+    notes = emulation_notes(model)
+    assert len(notes) == 1 and "emulated here through torchao's NVFP4Tensor" in notes[0]
 
 
 def _plan(choices: dict, version: int = 2, **extra) -> dict:

@@ -59,13 +59,16 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
     padded = chosen.get("padded") or {}
     from collections import Counter
 
-    other = Counter(c for c in chosen["recipes"].values() if c not in ("bfloat16", "float32")
-                    and not c.startswith("float8"))
+    from ampaudit.planning.convert import emulation_notes, recipes_of
+    from ampaudit.planning.recipes import HIGH_PRECISION, recipe
+
+    other = Counter(r["choice"] for r in recipes_of(loaded.model).values()
+                    if r["choice"] not in HIGH_PRECISION and recipe(r["choice"]).family != "float8")
     typer.echo(f"plan: {len(chosen['float8'])} float8 layer(s)"
                + (f" ({len(padded)} padded: {'; '.join(c.describe() for c in padded.values())})" if padded else "")
                + "".join(f", {n} {name}" for name, n in other.items())
                + f", {len(chosen['float32'])} float32, the rest bf16", err=True)
-    for note in chosen["notes"]:
+    for note in emulation_notes(loaded.model):
         typer.echo(note, err=True)
     return "bfloat16"
 

@@ -2,8 +2,8 @@
 its float32 layers kept in fp32 under autocast, the rest left to bf16 autocast.
 
     plan = load_plan("plan.json")                  # version 1 or 2, normalised to version 2
-    apply_plan(model, plan, device="cpu")          # in place; returns {"float8": [...], "float32": [...],
-                                                   #   "recipes": {name: choice}, "notes": [...]}
+    apply_plan(model, plan, device="cpu")          # in place; returns {"float8": [...], "float32": [...]}
+    recipes_of(model), emulation_notes(model)      # ampaudit.planning.convert: every layer's recipe, what is emulated
     apply_plan(model, plan, pad=True)              # also pads misaligned float8 layers; adds "padded": {name: change}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(model(x), y)
@@ -14,7 +14,7 @@ A version-2 plan's layer has ``choice`` (a recipe name, ``bfloat16`` or ``float3
 (:func:`normalise_plan`). :mod:`ampaudit.planning.convert` converts each layer (the same parameters and
 state_dict keys, so checkpoints load either way): float8 recipes as torchao Float8Linear, emulated on CPU and with
 real FP8 kernels on CUDA GPUs of compute capability 8.9 or newer (older GPUs are refused with the reason); MXFP8
-with torchao's MX training numerics; NVFP4 emulated (``notes`` says so).
+with torchao's MX training numerics; NVFP4 emulated (``emulation_notes`` says so).
 
 ``pad=True`` (``train --pad``): the layers a ``plan --pad`` plan marks ``padded``, and those a plan without it kept
 in bf16 for alignment alone (``float8_if_padded``), are padded with zero rows and columns after the conversion
@@ -113,10 +113,9 @@ def _layer_choice(layer: dict, modules: dict, pad: bool, device, default: str) -
 
 
 def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cpu", pad: bool = False) -> dict:
-    """Convert ``model`` in place as ``plan`` (version 1 or 2) says; returns the float8-family and float32 layers,
-    ``recipes`` (name -> choice of every layer the plan names), ``notes`` (recipes emulated here) and, with
-    ``pad``, ``"padded"``: module -> ``PadChange``."""
-    from ampaudit.planning.convert import emulation_notes, set_recipe
+    """Convert ``model`` in place as ``plan`` (version 1 or 2) says; returns the float8-family and float32 layers
+    and, with ``pad``, ``"padded"``: module -> ``PadChange``."""
+    from ampaudit.planning.convert import set_recipe
     from ampaudit.planning.recipes import recipe
 
     plan = normalise_plan(plan)
@@ -135,8 +134,7 @@ def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cp
     for name, (choice, gemms) in picked.items():
         set_recipe(modules[name], choice, gemms, name=name, device=device)
     chosen: dict = {"float8": [n for n, f in families.items() if f == "float8"],
-                    "float32": [n for n, (c, _) in picked.items() if c == "float32"],
-                    "recipes": {n: c for n, (c, _) in picked.items()}, "notes": emulation_notes(model)}
+                    "float32": [n for n, (c, _) in picked.items() if c == "float32"]}
     if pad:
         from ampaudit.rewrite.pad import pad_linear
 
