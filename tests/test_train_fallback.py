@@ -176,3 +176,27 @@ def test_fallback_needs_a_plan_and_a_trace(tmp_path):
     assert r.exit_code == 2 and "--fallback switches the layers of a low-precision plan" in r.output
     r = CliRunner().invoke(app, ["train", str(ASSETS / "train_mlp.py"), "--steps", "1", "--fallback"])
     assert r.exit_code == 2 and "needs --trace" in r.output
+
+
+def test_each_budget_is_a_reason_and_growth_restarts_with_the_new_recipe(tmp_path):
+    ok = {"sqnr_db": 28.0, "input": {"amax": 1.0, "flushed_share": 0.0, "amax_growth": 1.0}}
+    assert reasons(ok, "float8_tensorwise") == [] and reasons({**ok, "sqnr_db": 12.0}, "nvfp4") == []
+    assert [r[0] for r in reasons({**ok, "sqnr_db": 19.0}, "float8_rowwise")] == ["sqnr"]
+    bad = {"sqnr_db": None, "input": {"flushed_share": 0.6, "amax_growth": 2e3},
+           "grad_output": {"flushed_share": 0.1, "amax_growth": 1.0}}
+    assert reasons(bad, "mxfp8") == [("input_flushed", 0.6, 0.5), ("input_amax_growth", 2e3, 1024.0)]
+    # an input that grows 4096-fold as a whole: nothing flushes, the growth alone switches it, once
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    apply_plan(model, {"version": 2, "layers": [{"module": "0", "choice": "float8_tensorwise",
+                                                 "shape": {"in_features": 32, "out_features": 32}}]})
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 32, generator=g) * 4.0 ** min(s, 6), torch.zeros(32, 32)) for s in range(12)]
+    # a linear loss: its grad_output stays the same, whatever the input does
+    Trainer(model, lambda o, y: o.float().mean() * 1e-3, lambda: iter(data), dtype="bfloat16",
+            trace=tmp_path / "t.jsonl", trace_every=2, fp8_fallback=True, handle_signals=False).fit(12)
+    events = read_trace(tmp_path / "t.jsonl")[0]
+    falls = [(e["step"], e["from"], e["to"], e["reason"]) for e in events if e["event"] == "fallback"]
+    assert falls == [(8, "float8_tensorwise", "float8_rowwise", "input_amax_growth")]     # 4096x at step 8
+    after = [e["input"]["amax_growth"] for e in events if e["event"] == "recipe_stats" and e["step"] > 8]
+    assert after[0] == 1.0 and max(after) < 8

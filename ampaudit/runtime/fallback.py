@@ -14,7 +14,8 @@ The budgets (a layer leaves its recipe at the first that is crossed, checked in 
 - ``sqnr``: its output's SQNR against its FP32 shadow below the recipe's ``budget_output_db`` (recipes.toml);
 - ``input_flushed`` / ``grad_output_flushed``: a flushed share past ``[plan] max_flushed_share`` (settings.toml);
 - ``input_amax_growth`` / ``grad_output_amax_growth``: amax past ``[fallback] max_amax_growth`` times its first
-  sampled step's.
+  sampled step's in its current recipe (growth since step 1 for the plan's recipe; after a switch, since the
+  switch, so one growing outlier does not walk the whole chain on growth alone).
 
 The switch happens between steps (after the optimizer step, before the next forward): the module object and its
 Parameters stay (:func:`ampaudit.planning.convert.set_recipe`), so the optimizer state, hooks and checkpoints carry
@@ -63,14 +64,14 @@ def reasons(found: dict, recipe_name: str) -> list[tuple[str, float, float]]:
     return out
 
 
-def describe(reason: str, value: float, limit: float) -> str:
+def describe(reason: str, value: float, limit: float, recipe_name: str = "this recipe") -> str:
     """``input_flushed, 0.62, 0.5`` -> "62% of its input flushed to 0 (budget 50%)"."""
     if reason == "sqnr":
         return f"output SQNR {value:.1f} dB vs FP32 (budget {limit:g} dB)"
     if reason.endswith("_flushed"):
         return f"{value:.0%} of its {reason[:-len('_flushed')]} flushed to 0 (budget {limit:.0%})"
     role = reason[:-len("_amax_growth")]
-    return f"its {role}'s amax grew {value:.3g}x since its first sampled step (budget {limit:g}x)"
+    return f"its {role}'s amax grew {value:.3g}x since its first sampled step in {recipe_name} (budget {limit:g}x)"
 
 
 class Fallback:
@@ -101,7 +102,7 @@ class Fallback:
             gemms = {} if to == "bfloat16" else before["gemms"]
             set_recipe(mod, to, gemms, name=name)
             record = {"module": name, "from": before["choice"], "to": to, "reason": reason, "value": value,
-                      "limit": limit, "why": describe(reason, value, limit)}
+                      "limit": limit, "why": describe(reason, value, limit, before["choice"])}
             self.writer.write("fallback", step=step, **record)
             self.switched.append({"step": step, **record})
             self._update_plan(name, to, gemms, {"step": step, **{k: record[k] for k in

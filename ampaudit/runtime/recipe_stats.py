@@ -15,7 +15,8 @@ grad_output under the layer's own recipe quantizer.
 ``sqnr_db`` (output vs its FP32 shadow; None when the output is exact or not finite), and ``input`` and
 ``grad_output`` each ``{amax, flushed_share, amax_growth}``: flushed_share of the nonzero finite values that the
 recipe's cast for its first GEMM (input: the output GEMM's; grad_output: grad_input's) turns into 0,
-``amax_growth`` the amax over that of the layer's first sampled step. ``grad_output`` is absent when no gradient
+``amax_growth`` the amax over that of the layer's first sampled step in its current recipe (a fallback starts it
+again: the safer recipe is judged on the growth it has seen). ``grad_output`` is absent when no gradient
 reached the layer. The schedule counts from step 1 (not from the first step seen), so a resumed run samples the
 same steps as an uninterrupted one; the first-step amaxes travel in the checkpoint (:meth:`state_dict`).
 

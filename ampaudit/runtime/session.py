@@ -236,8 +236,11 @@ class WatchSession:
                 self.fp8.layers[name] = mod
             else:
                 self.fp8.layers.pop(name, None)
-        if self.recipes is not None and mod.ampaudit_recipe["choice"] in HIGH_PRECISION:
-            self.recipes.untrack(name)
+        if self.recipes is not None:
+            if mod.ampaudit_recipe["choice"] in HIGH_PRECISION:
+                self.recipes.untrack(name)
+            else:       # the new recipe is judged on the growth it has seen, from its first sampled step on
+                self.recipes.reference.pop(name, None)
 
     def recipe_state(self) -> dict | None:
         """What a checkpoint keeps of the recipe statistics (their first-step amaxes), or None."""

@@ -63,7 +63,7 @@ of rules/policy/recipes.toml), ``recipe_stats`` (:mod:`ampaudit.runtime.recipe_s
 of the statistics interval): module, recipe (the layer's current choice), gemms (its GEMMs kept otherwise, e.g.
 ``{"grad_weight": "bfloat16"}``), ``sqnr_db`` (its output against FP32 of the same layer on the same input, null
 when exact), and ``input`` and ``grad_output`` each ``{amax, flushed_share, amax_growth}`` (the share of nonzero
-values the recipe's own cast makes 0; amax over the layer's first sampled amax), ``grad_output`` absent when no
+values the recipe's own cast makes 0; amax over the layer's first sampled amax in its current recipe), ``grad_output`` absent when no
 gradient reached it; and, with ``--fallback``, ``fallback`` (:mod:`ampaudit.runtime.fallback`): module, from, to
 (recipes.toml's ``safer`` of ``from``), reason (sqnr | input_flushed | grad_output_flushed | input_amax_growth |
 grad_output_amax_growth), value, limit and why (words); the layer trains in ``to`` from the next step. Under
