@@ -62,15 +62,17 @@ def test_every_recipe_trains_within_its_budget_and_keeps_the_parameters(name):
     assert type(model[0]) is nn.Linear and model[0].weight is weight
 
 
-def test_mxfp8_is_torchaos_mx_training_config():
-    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+@pytest.mark.parametrize("wgrad_hp", [False, True])
+def test_mxfp8_is_torchaos_mx_training_config(wgrad_hp):
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
     from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common import KernelPreference
 
     ours, theirs = _net(bias=False), _net(bias=False)
     for layer in (ours[0], ours[2]):
-        set_recipe(layer, "mxfp8")
-    quantize_(theirs, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
-              filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+        set_recipe(layer, "mxfp8", {"grad_weight": "bfloat16"} if wgrad_hp else None)
+    config = MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=wgrad_hp)
+    quantize_(theirs, config, filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
     for a, b in zip(_run(ours, X), _run(theirs, X)):
         assert torch.equal(a, b)
 
@@ -106,6 +108,12 @@ def test_a_gemm_kept_in_bf16_is_exact_in_that_gemm_alone():
     assert recipe_of(hp[0]) == {"choice": "float8_rowwise", "gemms": {"grad_weight": "bfloat16"}}
     with pytest.raises(UsageError, match="mix recipes"):
         set_recipe(hp[0], "float8_tensorwise", {"grad_weight": "mxfp8"})
+    with pytest.raises(UsageError, match="in float32 alone"):
+        set_recipe(hp[0], "float8_tensorwise", {"grad_weight": "float32"})
+    with pytest.raises(UsageError, match="mxfp8 keeps only grad_weight in high precision.*not grad_input"):
+        set_recipe(hp[0], "mxfp8", {"grad_input": "bfloat16"})
+    set_recipe(hp[0], "mxfp8", {"grad_weight": "bfloat16"})       # torchao's wgrad_with_hp
+    assert recipe_of(hp[0]) == {"choice": "mxfp8", "gemms": {"grad_weight": "bfloat16"}}
 
 
 def test_nvfp4_is_emulated_on_its_grid_and_says_so():

@@ -59,7 +59,16 @@ def _gemms(choice: str, gemms: dict | None) -> dict[str, str]:
     low = {v for v in out.values() if v not in HIGH_PRECISION}
     if len(low) > 1:
         raise UsageError(f"one layer's GEMMs mix recipes {', '.join(sorted(low))}",
-                         hint="keep one low-precision recipe per layer; the other GEMMs bfloat16 or float32")
+                         hint="keep one low-precision recipe per layer; the other GEMMs bfloat16")
+    if low and "float32" in out.values():
+        # torchao runs a GEMM it does not cast in its operands' dtype: bf16 under bf16 autocast.
+        raise UsageError("a low-precision layer's GEMM cannot be kept in float32 alone",
+                         hint="keep it in bfloat16, or the whole layer in float32")
+    kept = [g for g, v in out.items() if v in HIGH_PRECISION]
+    if "mxfp8" in low and kept not in ([], ["grad_weight"]):
+        raise UsageError(f"mxfp8 keeps only grad_weight in high precision (torchao's wgrad_with_hp), not "
+                         f"{', '.join(g for g in kept if g != 'grad_weight')}",
+                         hint="keep the layer in a float8 recipe, which can keep any GEMM in bfloat16")
     return out
 
 
