@@ -166,8 +166,12 @@ def test_the_report_says_when_and_why(planted, tmp_path):
     assert f"step {falls[0]['step']}: down float8_tensorwise -> float8_rowwise: {falls[0]['why']}" in section
     assert "down: float8_rowwise_with_gw_hp (now bfloat16)" in section
     assert "ignored unknown events" not in r.stdout
-    data = json.loads(runner.invoke(app, ["report", str(tmp_path / "run.jsonl"), "--json"]).stdout)["recipes"]
-    assert [f["to"] for f in data["fallbacks"]] == ["float8_rowwise", "float8_rowwise_with_gw_hp", "bfloat16"]
+    summary = json.loads(runner.invoke(app, ["report", str(tmp_path / "run.jsonl"), "--json"]).stdout)
+    assert [f["to"] for f in summary["recipes"]["fallbacks"]] == [
+        "float8_rowwise", "float8_rowwise_with_gw_hp", "bfloat16"]
+    rec = [r for r in summary["recommendations"] if r["kind"] == "fallback"]
+    assert len(rec) == 1 and rec[0]["severity"] == "info" and rec[0]["modules"] == ["down"]
+    assert f"down float8_tensorwise -> bfloat16 (from step {falls[0]['step']}: {falls[0]['why']})" in rec[0]["message"]
 
 
 def test_fallback_needs_a_plan_and_a_trace(tmp_path):

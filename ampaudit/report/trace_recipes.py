@@ -9,6 +9,7 @@ when and why a layer fell back to a safer recipe.
     #  "fallbacks": [{"step": 2, "module": "fc1", "from": "float8_tensorwise", "to": "float8_rowwise",
     #                 "reason": "input_flushed", "value": 0.97, "limit": 0.5, "why": "97% of its input ..."}]}
     render_recipes(summary["recipes"], console)
+    fallback_advice(summary)                # a recommendation dict (kind "fallback") or None
 
 Tolerant like the rest of the summary: malformed fields become ``None``.
 """
@@ -49,6 +50,24 @@ def recipes_summary(data: Any) -> dict:
         if row["module"] not in latest or (row["step"] or 0) >= (latest[row["module"]]["step"] or 0):
             latest[row["module"]] = row
     return {"layers": list(latest.values()), "fallbacks": list(data.fallbacks)}
+
+
+def fallback_advice(summary: dict) -> dict | None:
+    """The note that plan layers left their recipe during training (when, why, where they ended), else None."""
+    falls = (summary.get("recipes") or {}).get("fallbacks") or []
+    if not falls:
+        return None
+    first: dict[str, dict] = {}
+    last: dict[str, dict] = {}
+    for f in falls:
+        first.setdefault(f["module"], f)
+        last[f["module"]] = f
+    parts = [f"{m or '<top>'} {first[m]['from']} -> {last[m]['to']} (from step {first[m]['step']}: "
+             f"{first[m]['why'] or first[m]['reason']})" for m in first]
+    return {"kind": "fallback", "severity": "info", "modules": list(first),
+            "message": f"{len(first)} plan layer(s) left their recipe during training: " + "; ".join(parts)
+                       + ". Fix: none needed for this run; later runs can start from the plan file --fallback "
+                         "rewrote, which holds the switched recipes"}
 
 
 def render_recipes(summary: dict, console: Any) -> None:
