@@ -187,3 +187,23 @@ def test_cli_trains_mx_recipes_and_records_their_statistics(tmp_path):
         assert e["sqnr_db"] > recipe(e["recipe"]).budget_output_db
         assert set(e["input"]) == set(e["grad_output"]) == {"amax", "flushed_share", "amax_growth"}
     assert stats[0]["input"]["amax_growth"] == 1.0
+
+
+class _Scaled(nn.Linear):
+    """A user's Linear subclass with its own forward."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_a_bf16_layer_keeps_its_own_class_and_a_refused_one_is_untouched():
+    layer = _Scaled(64, 64)
+    set_recipe(layer, "bfloat16")
+    assert type(layer) is _Scaled
+    set_recipe(layer, "float8_rowwise")
+    assert type(layer).__name__ == "Float8Linear"          # torchao's forward, as convert_to_float8_training does
+    set_recipe(layer, "bfloat16")                          # a fallback's end: the user's class again
+    assert type(layer) is _Scaled
+    with pytest.raises(UsageError, match="blockwise training is not available"):
+        set_recipe(layer, "blockwise")
+    assert type(layer) is _Scaled and recipe_of(layer) == {"choice": "bfloat16", "gemms": {}}

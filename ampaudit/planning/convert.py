@@ -45,6 +45,7 @@ _FLOAT8_CASTS = {"output": ("cast_config_input", "cast_config_weight"),
 _NVFP4_NOTE = ("nvfp4: torchao's NVFP4TrainingConfig runs only on its Triton kernels (Blackwell GPUs); emulated here "
                "through torchao's NVFP4Tensor (round to nearest, no Hadamard transform or stochastic rounding)")
 _ATTR = "ampaudit_recipe"
+_BASE = "_ampaudit_base_class"
 
 
 def _gemms(choice: str, gemms: dict | None) -> dict[str, str]:
@@ -176,34 +177,34 @@ def set_recipe(mod: nn.Linear, choice: str, gemms: dict | None = None, *, name: 
     """Make ``mod`` (an nn.Linear, possibly converted before) train in ``choice`` with per-GEMM ``gemms``, in
     place. ``bfloat16`` makes it a plain Linear (computed by the run's autocast); ``float32`` keeps it in fp32.
     ``device``: where it will train (default: where its weight is); float8 GEMMs are emulated off CUDA."""
-    emulate = torch.device(device if device is not None else mod.weight.device).type != "cuda"
     if not isinstance(mod, nn.Linear):
         raise UsageError(f"{name or type(mod).__name__} is not an nn.Linear", hint="plans choose Linear layers only")
+    emulate = torch.device(device if device is not None else mod.weight.device).type != "cuda"
     per_gemm = _gemms(choice, gemms)
     low = [v for v in per_gemm.values() if v not in HIGH_PRECISION]
     target = low[0] if low else choice
-    for key in ("scaling_type_input", "scaling_type_weight", "scaling_type_grad_output", "config",
-                "linear_mm_config"):
-        mod.__dict__.pop(key, None)
-    mod.__class__ = nn.Linear
-    kept = {g: v for g, v in per_gemm.items() if v != target}
-    setattr(mod, _ATTR, {"choice": target, "gemms": kept})
-    if target in HIGH_PRECISION:
-        if target == "float32":
-            from ampaudit.rewrite.keep_fp32 import keep_fp32
-
-            keep_fp32(mod, [""])
-        return
-    family = recipe(target).family
-    if family == "float8":
-        _to_float8(mod, target, per_gemm, emulate)
-    elif family == "mx":
-        _check_blocks(mod, target)
-        mod.__class__ = RecipeLinear
-    else:
+    family = recipe(target).family if target not in HIGH_PRECISION else None
+    if family == "blockwise":       # checked before anything changes: the layer stays as it was
         raise UsageError(f"{target} training is not available here: torchao 0.18's Float8BlockwiseLinear runs only "
                          "on its Triton kernels on SM90 GPUs and has no emulated mode",
                          hint=f"plan the layer in {recipe(target).safer} or another recipe")
+    if family == "mx":
+        _check_blocks(mod, target)
+    # The class the layer had before any recipe: a bf16 layer keeps it (a user's Linear subclass keeps its forward).
+    base = mod.__dict__.setdefault(_BASE, type(mod))
+    for key in ("scaling_type_input", "scaling_type_weight", "scaling_type_grad_output", "config",
+                "linear_mm_config"):
+        mod.__dict__.pop(key, None)
+    mod.__class__ = base
+    setattr(mod, _ATTR, {"choice": target, "gemms": {g: v for g, v in per_gemm.items() if v != target}})
+    if target == "float32":
+        from ampaudit.rewrite.keep_fp32 import keep_fp32
+
+        keep_fp32(mod, [""])
+    elif family == "float8":
+        _to_float8(mod, target, per_gemm, emulate)
+    elif family == "mx":
+        mod.__class__ = RecipeLinear
 
 
 def recipe_of(mod: nn.Module) -> dict | None:
