@@ -1,6 +1,7 @@
 """``train --plan`` applies every recipe of rules/policy/recipes.toml through torchao (ampaudit/planning/convert.py):
 float8 recipes with per-GEMM cast configs, MXFP8 equal to torchao's MX training config, NVFP4 emulated through
-NVFP4Tensor (and said so), blockwise refused; version-1 plans read as version 2; recipe statistics in the trace."""
+NVFP4Tensor and blockwise through torchao.float8's cast per tile (and said so); version-1 plans read as version 2;
+bad shapes refused in one line; recipe statistics in the trace."""
 from __future__ import annotations
 
 import copy
@@ -152,8 +153,45 @@ def test_a_version_1_plan_reads_as_version_2():
         normalise_plan({"version": 3, "layers": []})
 
 
-def test_blockwise_and_bad_shapes_are_refused_in_one_line():
-    with pytest.raises(UsageError, match="no emulated mode"):
+def _e4m3_tiles(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """An independent reference: one scale (448 / amax) per rows x cols tile, torch's own e4m3 cast."""
+    out = torch.empty_like(t)
+    for i in range(0, t.shape[0], rows):
+        for j in range(0, t.shape[1], cols):
+            tile = t[i:i + rows, j:j + cols]
+            scale = 448.0 / tile.abs().amax()
+            out[i:i + rows, j:j + cols] = (tile * scale).to(torch.float8_e4m3fn).float() / scale
+    return out
+
+
+def test_blockwise_is_deepseeks_tiles_through_torchaos_float8_cast():
+    from ampaudit.planning.blockwise_emulated import act_qdq, weight_qdq
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 256, generator=g)
+    x[0, 5] = 1e4                      # an outlier sets its own 1x128 tile's scale alone
+    assert torch.allclose(act_qdq(x), _e4m3_tiles(x, 1, 128), rtol=1e-6, atol=0)
+    w = torch.randn(256, 128, generator=g)
+    w[3, 3] = 50.0
+    assert torch.allclose(weight_qdq(w), _e4m3_tiles(w, 128, 128), rtol=1e-6, atol=0)
+    torch.manual_seed(0)
+    layer, ref = nn.Linear(128, 256), None
+    xs = torch.randn(2, 64, 128, generator=g)
+    ref = nn.functional.linear(xs, layer.weight, layer.bias).detach()
+    model = nn.Sequential(layer)
+    apply_plan(model, {"version": 2, "layers": [{"module": "0", "choice": "blockwise",
+                                                 "shape": {"in_features": 128, "out_features": 256}}]})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(xs)
+    out.float().sum().backward()
+    assert sqnr_db(ref, out) > recipe("blockwise").budget_output_db and layer.weight.grad is not None
+    assert any(n.startswith("blockwise: ") and "emulated" in n for n in emulation_notes(model))
+    with pytest.raises(TrainError, match="64 tokens per micro-batch"):
+        layer(torch.randn(64, 128))
+
+
+def test_bad_shapes_are_refused_in_one_line():
+    with pytest.raises(UsageError, match="multiples of its 128-element blocks"):
         apply_plan(_net(), _plan({"0": "blockwise"}))
     with pytest.raises(UsageError, match="multiples of its 32-element blocks"):
         set_recipe(nn.Linear(40, 64), "mxfp8")
@@ -204,6 +242,6 @@ def test_a_bf16_layer_keeps_its_own_class_and_a_refused_one_is_untouched():
     assert type(layer).__name__ == "Float8Linear"          # torchao's forward, as convert_to_float8_training does
     set_recipe(layer, "bfloat16")                          # a fallback's end: the user's class again
     assert type(layer) is _Scaled
-    with pytest.raises(UsageError, match="blockwise training is not available"):
+    with pytest.raises(UsageError, match="multiples of its 128-element blocks"):
         set_recipe(layer, "blockwise")
     assert type(layer) is _Scaled and recipe_of(layer) == {"choice": "bfloat16", "gemms": {}}

@@ -86,7 +86,7 @@ def train(
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train (each of --accum micro-batches).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Passes over train_data() instead of --steps.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Low-precision dtype: float16, bfloat16, float8 (plans first, as ampaudit plan does with its defaults, then trains the plan), or float32 [default: bfloat16 where the device multiplies it natively (CUDA sm_80+, AMX/AVX512-BF16 CPUs), else float16].", show_default=False)] = None,
-    plan: Annotated[Optional[Path], typer.Option(help="A plan from ampaudit plan -o (version 1 or 2): each layer trains in its recipe through torchao (float8_tensorwise, float8_rowwise, float8_rowwise_with_gw_hp, mxfp8, nvfp4; per-GEMM choices), its float32 layers in fp32, the rest under bf16 autocast.")] = None,
+    plan: Annotated[Optional[Path], typer.Option(help="A plan from ampaudit plan -o (version 1 or 2): each layer trains in its recipe through torchao (float8_tensorwise, float8_rowwise, float8_rowwise_with_gw_hp, mxfp8, nvfp4, blockwise; per-GEMM choices), its float32 layers in fp32, the rest under bf16 autocast.")] = None,
     opt_level: Annotated[str, typer.Option("--opt-level", help="O1: fp32 weights + autocast; O2: low-precision "
                                            "weights with FP32 master weights, BatchNorm in fp32.")] = "O1",
     accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = 1,

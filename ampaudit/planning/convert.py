@@ -5,6 +5,7 @@ in place (the same module object and Parameters, so the optimizer, hooks and che
     set_recipe(model.fc1, "float8_tensorwise", {"grad_weight": "bfloat16"})   # one GEMM kept high precision
     set_recipe(model.fc2, "mxfp8")          # torchao's MX training numerics (emulated on CPU)
     set_recipe(model.fc2, "nvfp4")          # emulated through torchao's NVFP4Tensor where its config refuses
+    set_recipe(model.fc2, "blockwise")      # DeepSeek-V3's 1x128 / 128x128 FP8, emulated with torchao's quantizers
     set_recipe(model.fc2, "bfloat16")       # a plain nn.Linear again (the run's bf16 autocast computes it)
     recipe_of(model.fc1)                    # {"choice": "float8_tensorwise", "gemms": {"grad_weight": "bfloat16"}}
     recipes_of(model)                       # {name: recipe_of(module)} of every converted Linear
@@ -22,7 +23,10 @@ Per family (recipes.toml ``family``):
   128); this computes each of the three GEMMs from operands quantized by ``NVFP4Tensor.to_nvfp4`` (1x16 blocks,
   e4m3 scales, an fp32 tensor scale) along that GEMM's reduction dim, round to nearest (no Hadamard transform, no
   stochastic rounding), then dequantized: the numerics of NVFP4's format, not of torchao's training recipe.
-- ``blockwise``: torchao's Float8BlockwiseLinear needs Triton on an SM90 GPU and has no emulated mode: refused.
+- ``blockwise``: torchao's Float8BlockwiseLinear needs Triton on an SM90 GPU, has no emulated mode and refuses a
+  bias (its quantizers, the reference ones too, import Triton); :mod:`ampaudit.planning.blockwise_emulated`
+  computes its GEMMs with torchao.float8's dynamic e4m3 cast per 1x128 activation tile and 128x128 weight block,
+  dequantized (dims and tokens multiples of 128), everywhere.
 """
 from __future__ import annotations
 
@@ -44,6 +48,9 @@ _FLOAT8_CASTS = {"output": ("cast_config_input", "cast_config_weight"),
                  "grad_weight": ("cast_config_input_for_grad_weight", "cast_config_grad_output_for_grad_weight")}
 _NVFP4_NOTE = ("nvfp4: torchao's NVFP4TrainingConfig runs only on its Triton kernels (Blackwell GPUs); emulated here "
                "through torchao's NVFP4Tensor (round to nearest, no Hadamard transform or stochastic rounding)")
+_BLOCKWISE_NOTE = ("blockwise: torchao's Float8BlockwiseLinear runs only on its Triton kernels (SM90 GPUs); "
+                   "emulated here with torchao.float8's e4m3 cast per 1x128 activation tile and 128x128 weight "
+                   "block, dequantized")
 _ATTR = "ampaudit_recipe"
 _BASE = "_ampaudit_base_class"
 
@@ -132,7 +139,7 @@ def _check_blocks(mod: nn.Linear, name: str) -> None:
 
 
 class RecipeLinear(nn.Linear):
-    """An nn.Linear whose three GEMMs run in an MX-family recipe (mxfp8, nvfp4); see the module docstring.
+    """An nn.Linear whose GEMMs run in mxfp8, nvfp4 or blockwise; see the module docstring.
     Made by :func:`set_recipe` from a Linear in place (no parameter or buffer is added)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,10 +153,14 @@ class RecipeLinear(nn.Linear):
         wgrad_hp = state["gemms"].get("grad_weight") in HIGH_PRECISION
         if state["choice"] == "mxfp8":
             out = _mxfp8(x, self.weight, wgrad_hp)
-        else:
+        elif state["choice"] == "nvfp4":
             from ampaudit.planning.nvfp4_emulated import nvfp4_linear
 
             out = nvfp4_linear(x, self.weight, state["gemms"])
+        else:
+            from ampaudit.planning.blockwise_emulated import blockwise_linear
+
+            out = blockwise_linear(x, self.weight, state["gemms"])
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -184,11 +195,7 @@ def set_recipe(mod: nn.Linear, choice: str, gemms: dict | None = None, *, name: 
     low = [v for v in per_gemm.values() if v not in HIGH_PRECISION]
     target = low[0] if low else choice
     family = recipe(target).family if target not in HIGH_PRECISION else None
-    if family == "blockwise":       # checked before anything changes: the layer stays as it was
-        raise UsageError(f"{target} training is not available here: torchao 0.18's Float8BlockwiseLinear runs only "
-                         "on its Triton kernels on SM90 GPUs and has no emulated mode",
-                         hint=f"plan the layer in {recipe(target).safer} or another recipe")
-    if family == "mx":
+    if family in ("mx", "blockwise"):       # checked before anything changes: a refused layer stays as it was
         _check_blocks(mod, target)
     # The class the layer had before any recipe: a bf16 layer keeps it (a user's Linear subclass keeps its forward).
     base = mod.__dict__.setdefault(_BASE, type(mod))
@@ -203,7 +210,7 @@ def set_recipe(mod: nn.Linear, choice: str, gemms: dict | None = None, *, name: 
         keep_fp32(mod, [""])
     elif family == "float8":
         _to_float8(mod, target, per_gemm, emulate)
-    elif family == "mx":
+    elif family is not None:           # mx, blockwise
         mod.__class__ = RecipeLinear
 
 
@@ -228,4 +235,4 @@ def recipes_of(model: nn.Module) -> dict[str, dict]:
 def emulation_notes(model: nn.Module) -> list[str]:
     """One line per recipe whose numerics are emulated here rather than run by torchao's training config."""
     used = {state["choice"] for state in recipes_of(model).values()}
-    return [_NVFP4_NOTE] if "nvfp4" in used else []
+    return [note for name, note in (("nvfp4", _NVFP4_NOTE), ("blockwise", _BLOCKWISE_NOTE)) if name in used]

@@ -71,6 +71,10 @@ def _qdq(t: torch.Tensor, mod: nn.Module, role: str) -> torch.Tensor | None:
         from ampaudit.planning.nvfp4_emulated import nvfp4_qdq
 
         return nvfp4_qdq(t)
+    if name == "blockwise":
+        from ampaudit.planning.blockwise_emulated import act_qdq
+
+        return act_qdq(t)
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     cfg = mod.config
