@@ -204,3 +204,13 @@ def test_each_budget_is_a_reason_and_growth_restarts_with_the_new_recipe(tmp_pat
     assert falls == [(8, "float8_tensorwise", "float8_rowwise", "input_amax_growth")]     # 4096x at step 8
     after = [e["input"]["amax_growth"] for e in events if e["event"] == "recipe_stats" and e["step"] > 8]
     assert after[0] == 1.0 and max(after) < 8
+
+
+def test_a_switch_skips_a_safer_recipe_the_layer_does_not_fit():
+    from ampaudit.planning.convert import recipe_of, set_recipe
+    from ampaudit.runtime.fallback import _switch
+
+    layer = torch.nn.Linear(48, 64)                 # 48: nvfp4's 16-blocks, not mxfp8's 32
+    set_recipe(layer, "nvfp4", {"grad_input": "bfloat16"})
+    assert _switch(layer, "fc", recipe_of(layer)) == ("float8_rowwise_with_gw_hp", {"grad_input": "bfloat16"})
+    assert recipe_of(layer) == {"choice": "float8_rowwise_with_gw_hp", "gemms": {"grad_input": "bfloat16"}}

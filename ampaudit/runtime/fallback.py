@@ -74,6 +74,23 @@ def describe(reason: str, value: float, limit: float, recipe_name: str = "this r
     return f"its {role}'s amax grew {value:.3g}x since its first sampled step in {recipe_name} (budget {limit:g}x)"
 
 
+def _switch(mod: nn.Module, name: str, before: dict) -> tuple[str, dict]:
+    """Set ``mod`` to the first recipe down the safer chain that takes it (its shape, its per-GEMM choices:
+    nvfp4's 16-blocks and a bf16 grad_input do not fit mxfp8, for one); bfloat16 always does."""
+    from ampaudit.errors import UsageError
+    from ampaudit.planning.convert import set_recipe
+    from ampaudit.planning.recipes import safer
+
+    to = safer(before["choice"])
+    while True:
+        gemms = {} if to == "bfloat16" else before["gemms"]
+        try:
+            set_recipe(mod, to, gemms, name=name)
+            return to, gemms
+        except UsageError:
+            to = safer(to)
+
+
 class Fallback:
     """Judges each sampled step's ``recipe_stats`` and switches layers past their budget; see the module docstring.
     ``on_switch(name, module)``: called after each switch (the session retargets its float8 statistics)."""
@@ -87,8 +104,7 @@ class Fallback:
 
     def judge(self, step: int | None, found: dict[str, dict], layers: dict[str, nn.Module]) -> list[tuple]:
         """Switch every layer of ``found`` past a budget to its recipe's ``safer``; returns (module, from, to)."""
-        from ampaudit.planning.convert import recipe_of, set_recipe
-        from ampaudit.planning.recipes import safer
+        from ampaudit.planning.convert import recipe_of
 
         done = []
         for name, event in found.items():
@@ -98,9 +114,7 @@ class Fallback:
                 continue
             reason, value, limit = crossed[0]
             before = recipe_of(mod)
-            to = safer(before["choice"])
-            gemms = {} if to == "bfloat16" else before["gemms"]
-            set_recipe(mod, to, gemms, name=name)
+            to, gemms = _switch(mod, name, before)
             record = {"module": name, "from": before["choice"], "to": to, "reason": reason, "value": value,
                       "limit": limit, "why": describe(reason, value, limit, before["choice"])}
             self.writer.write("fallback", step=step, **record)
