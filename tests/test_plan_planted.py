@@ -239,11 +239,7 @@ def mlp_plan(mlp):
     return plan
 
 
-# apply_plan reads version-1 choices ("float8") only until train --plan applies every recipe (apply.py).
-APPLIES_V1_ONLY = pytest.mark.xfail(strict=True, reason="apply_plan does not yet apply version-2 recipe choices")
 
-
-@APPLIES_V1_ONLY
 def test_apply_plan_changes_only_the_chosen_layers(mlp, mlp_plan):
     plain, model = mlp.build_model(), mlp.build_model()
     assert apply_plan(model, mlp_plan) == {"float8": ["fc1"], "float32": ["fc2"]}
@@ -262,7 +258,6 @@ def test_apply_plan_changes_only_the_chosen_layers(mlp, mlp_plan):
         assert not torch.equal(model.fc1(x16).float(), plain.fc1(x16).float())   # float8 now
 
 
-@APPLIES_V1_ONLY
 def test_float8_run_resumes_bit_identically(mlp, mlp_plan, tmp_path):
     def trainer(plan=mlp_plan, **kwargs):
         model = mlp.build_model()

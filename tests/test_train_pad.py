@@ -64,7 +64,6 @@ def test_padded_linear_computes_the_same_fp32_output_and_saves_unpadded_shapes()
     assert again[0].weight.shape == (80, 32) and not again[0].weight[70:].any() and not again[0].weight[:, 30:].any()
 
 
-@pytest.mark.xfail(strict=True, reason="apply_plan does not yet apply version-2 recipe choices")
 def test_a_layer_kept_out_for_alignment_alone_is_padded_into_float8_with_the_same_fp8_numerics():
     from torchao.float8.float8_linear import Float8Linear
 
@@ -74,7 +73,7 @@ def test_a_layer_kept_out_for_alignment_alone_is_padded_into_float8_with_the_sam
     assert head["choice"] == "bfloat16" and head["float8_if_padded"] == {"out_features": 272}
     unpadded = copy.deepcopy(model)                 # what the CPU emulation runs without padding
     forced = copy.deepcopy(plan)
-    next(la for la in forced["layers"] if la["module"] == "lm_head")["choice"] = "float8"
+    next(la for la in forced["layers"] if la["module"] == "lm_head")["choice"] = "float8_tensorwise"
     apply_plan(unpadded, forced)
     padded = copy.deepcopy(model)
     chosen = apply_plan(padded, plan, pad=True)
@@ -90,7 +89,6 @@ def test_a_layer_kept_out_for_alignment_alone_is_padded_into_float8_with_the_sam
     assert not padded.lm_head.weight.grad[mh.VOCAB:].any()          # the padding gets no gradient: it stays zero
 
 
-@pytest.mark.xfail(strict=True, reason="apply_plan does not yet apply version-2 recipe choices")
 def test_padding_stays_zero_through_training():
     model = mh.build_model()
     apply_plan(model, _plan_of(model), pad=True)
@@ -101,7 +99,6 @@ def test_padding_stays_zero_through_training():
     assert model.lm_head.weight[:mh.VOCAB].abs().sum() > 0
 
 
-@pytest.mark.xfail(strict=True, reason="apply_plan does not yet apply version-2 recipe choices")
 def test_cli_train_plan_pad_saves_weights_the_unpadded_model_loads(tmp_path):
     plan, weights = tmp_path / "plan.json", tmp_path / "w.pt"
     runner = CliRunner()

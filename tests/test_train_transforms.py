@@ -32,8 +32,8 @@ def test_the_order_is_documented_the_same_everywhere():
 
 def _plan(model) -> dict:
     """A plan with one float8 layer per block (32 -> 64: aligned for float8)."""
-    return {"recipe": "tensorwise", "layers": [
-        {"module": f"blocks.{i}.up", "choice": "float8", "shape": {"in_features": 32, "out_features": 64}}
+    return {"version": 2, "layers": [
+        {"module": f"blocks.{i}.up", "choice": "float8_tensorwise", "shape": {"in_features": 32, "out_features": 64}}
         for i in range(len(model.blocks))]}
 
 

@@ -64,9 +64,19 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
     target = device or ("cuda" if torch.cuda.is_available() else "cpu")
     chosen = apply_plan(loaded.model, data, device=target, pad=pad)
     padded = chosen.get("padded") or {}
+    from collections import Counter
+
+    from ampaudit.planning.convert import emulation_notes, recipes_of
+    from ampaudit.planning.recipes import HIGH_PRECISION, recipe
+
+    other = Counter(r["choice"] for r in recipes_of(loaded.model).values()
+                    if r["choice"] not in HIGH_PRECISION and recipe(r["choice"]).family != "float8")
     typer.echo(f"plan: {len(chosen['float8'])} float8 layer(s)"
                + (f" ({len(padded)} padded: {'; '.join(c.describe() for c in padded.values())})" if padded else "")
+               + "".join(f", {n} {name}" for name, n in other.items())
                + f", {len(chosen['float32'])} float32, the rest bf16", err=True)
+    for note in emulation_notes(loaded.model):
+        typer.echo(note, err=True)
     return "bfloat16"
 
 
@@ -85,7 +95,7 @@ def train(
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train (each of --accum micro-batches).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Passes over train_data() instead of --steps.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Low-precision dtype: float16, bfloat16, float8 (plans first, as ampaudit plan does with its defaults, then trains the plan), or float32 [default: bfloat16 where the device multiplies it natively (CUDA sm_80+, AMX/AVX512-BF16 CPUs), else float16].", show_default=False)] = None,
-    plan: Annotated[Optional[Path], typer.Option(help="A plan from ampaudit plan -o: its float8 layers train in fp8 (torchao), its float32 layers in fp32, the rest under bf16 autocast.")] = None,
+    plan: Annotated[Optional[Path], typer.Option(help="A plan from ampaudit plan -o (version 1 or 2): each layer trains in its recipe through torchao (float8_tensorwise, float8_rowwise, float8_rowwise_with_gw_hp, mxfp8, nvfp4, blockwise; per-GEMM choices), its float32 layers in fp32, the rest under bf16 autocast.")] = None,
     opt_level: Annotated[str, typer.Option("--opt-level", help="O1: fp32 weights + autocast; O2: low-precision "
                                            "weights with FP32 master weights, BatchNorm in fp32.")] = "O1",
     accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = 1,
@@ -117,7 +127,7 @@ def train(
     divergence_every: Annotated[Optional[int], typer.Option(help="Compare every module with an FP32 shadow "
                                                             "forward every N steps (needs --trace and O1).")] = None,
     pad: Annotated[bool, typer.Option("--pad", help="With --plan or --dtype float8: pad the misaligned layers the plan keeps out of float8 only for alignment (zero rows and columns, the same outputs) and train them in float8; --save writes the unpadded shapes.")] = False,
-    fp8_fallback: Annotated[bool, typer.Option("--fp8-fallback", help="With --plan and --trace: a float8 layer whose input or grad_output flushes past the plan's budget trains in bf16 from then on (logged in the trace).")] = False,
+    fallback: Annotated[bool, typer.Option("--fallback", "--fp8-fallback", help="With --plan and --trace: a low-precision layer that leaves its budget on a sampled step (output SQNR vs an FP32 shadow, flushed share, amax growth) trains in the next safer recipe from the next step (recipes.toml, ending in bf16); logged in the trace, and the --plan file is rewritten.")] = False,
     tensorboard: Annotated[Optional[Path], typer.Option(help="When training ends, also write the trace's scalars (loss, scale, skips, grad norm, per-module headroom and divergence) as TensorBoard logs here (needs --trace and the tensorboard extra).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (last.pt, halted.pt).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Write a checkpoint every N steps.")] = None,
@@ -158,7 +168,7 @@ def train(
 
 # Flags whose config field is spelled otherwise, or whose value the field holds in another form. Every other flag
 # but target, --entry, --config and --preflight-only is the field of its name (tests/test_train_config.py).
-_FIELD_OF_FLAG = {"checkpoint": "checkpoint_dir", "clip_per_layer": "clip_mode"}
+_FIELD_OF_FLAG = {"checkpoint": "checkpoint_dir", "clip_per_layer": "clip_mode", "fallback": "fp8_fallback"}
 
 
 def _settings(ctx: typer.Context, flags: dict, path: Path | None) -> TrainConfig:
@@ -181,6 +191,8 @@ def _settings(ctx: typer.Context, flags: dict, path: Path | None) -> TrainConfig
     cfg = dataclasses.replace(cfg, **{k: v for k, v in given.items() if k in FIELDS})
     if cfg.progress is None:
         cfg.progress = sys.stderr.isatty()
+    if cfg.fp8_fallback and cfg.plan_file is None:
+        cfg.plan_file = cfg.plan         # a layer's switch is written back to the plan it trains
     return cfg
 
 
@@ -196,7 +208,10 @@ def _check(cfg: TrainConfig, preflight_only: bool) -> None:
     if cfg.divergence_every is not None and cfg.trace is None:
         raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
     if cfg.fp8_fallback and cfg.trace is None:
-        raise UsageError("--fp8-fallback needs --trace FILE", hint="e.g. --plan plan.json --trace run.jsonl --fp8-fallback")
+        raise UsageError("--fallback / --fp8-fallback needs --trace FILE",
+                         hint="e.g. --plan plan.json --trace run.jsonl --fallback")
+    if cfg.fp8_fallback and cfg.plan is None and cfg.dtype != "float8":
+        raise UsageError("--fallback switches the layers of a low-precision plan", hint="add --plan plan.json")
     if cfg.pad and cfg.plan is None and cfg.dtype != "float8":
         raise UsageError("--pad pads the layers a float8 plan keeps out for alignment", hint="add --plan plan.json or --dtype float8")
     if cfg.pad and cfg.fsdp:

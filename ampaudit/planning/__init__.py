@@ -10,5 +10,8 @@
     choose.py    the shared pieces of a choice (budget, LayerPlan, alignment, bf16's own check); one-recipe choose()
     api.py       ``ampaudit.plan(model, batches, ...)`` -> Plan, and its JSON contract (version 2)
     apply.py     a plan applied to a model for training (``ampaudit train --plan``)
+    convert.py   one Linear in any recipe of rules/policy/recipes.toml through torchao, switched in place
+    nvfp4_emulated.py   NVFP4's GEMM numerics through torchao's NVFP4Tensor where its training config refuses
+    blockwise_emulated.py   DeepSeek-V3's blockwise FP8 GEMMs through torchao.float8's cast, per tile
     report.py    the terminal table
 """

@@ -24,7 +24,7 @@ __all__ = ["Recipe", "recipe", "recipe_names", "parse_recipes", "native_recipes"
 
 HIGH_PRECISION = ("bfloat16", "float32")
 _FIELDS = ("family", "torchao", "scaling", "block", "weight_block", "scale_dtype", "input", "weight",
-           "grad_output", "grad_weight", "min_compute_capability", "safer", "source")
+           "grad_output", "grad_weight", "min_compute_capability", "safer", "source", "budget_output_db")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Recipe:
     min_compute_capability: float
     safer: str
     source: str
+    budget_output_db: float
 
     @property
     def low_grad_weight(self) -> bool:

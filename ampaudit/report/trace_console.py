@@ -210,6 +210,10 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     fp8 = summary.get("fp8") or {}
     if fp8.get("layers") or fp8.get("budget"):
         _render_fp8(fp8, c)
+    recipes = summary.get("recipes") or {}
+    if recipes.get("layers") or recipes.get("fallbacks"):
+        from ampaudit.report.trace_recipes import render_recipes
+        render_recipes(recipes, c)
 
     if (summary.get("eval") or {}).get("count"):
         from ampaudit.report.trace_eval import render_eval

@@ -75,6 +75,8 @@ class TraceData:
     halts: list[dict] = field(default_factory=list)
     fp8: list[dict] = field(default_factory=list)           # rows of ampaudit.report.trace_fp8
     fp8_budget: list[dict] = field(default_factory=list)
+    recipes: list[dict] = field(default_factory=list)       # rows of ampaudit.report.trace_recipes
+    fallbacks: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
     swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
     preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)

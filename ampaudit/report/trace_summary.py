@@ -38,11 +38,13 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.trace_fp8 import budget_row, fp8_row
     from ampaudit.report.trace_precursors import precursor_row
     from ampaudit.report.trace_swamping import preflight_rows, swamping_row
+    from ampaudit.report.trace_recipes import fallback_row, recipe_row
 
     # Kinds read by their own module's row function into one TraceData list (a None row is skipped).
     rows = {"grad_hist": (hist_row, "grad_hist"), "fp8": (fp8_row, "fp8"), "fp8_budget": (budget_row, "fp8_budget"),
             "eval": (eval_row, "evals"), "swamping": (swamping_row, "swamping"),
-            "decision": (decision_row, "decisions"), "precursor": (precursor_row, "precursors")}
+            "decision": (decision_row, "decisions"), "precursor": (precursor_row, "precursors"),
+            "recipe_stats": (recipe_row, "recipes"), "fallback": (fallback_row, "fallbacks")}
     data = TraceData()
     last_step = 0
     for ev in events:
@@ -221,6 +223,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.report.trace_fp8 import fp8_summary
     from ampaudit.report.trace_precursors import precursor_summary
     from ampaudit.report.trace_swamping import swamping_summary
+    from ampaudit.report.trace_recipes import recipes_summary
 
     data = events if isinstance(events, TraceData) else collect(events)
     problems = list(problems)
@@ -255,6 +258,7 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
                        "first_jump": first_jump(data, found, scope)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
+        "recipes": recipes_summary(data),
         "grad_hist": grad_hist_summary(data, top=top),
         "eval": eval_summary(data),
         "swamping": swamping_summary(data),
@@ -279,13 +283,14 @@ def recommend(summary: dict, data: TraceData, *, culprits: list, all_headroom: l
     from ampaudit.report.trace_decisions import decision_advice, decision_evidence
     from ampaudit.report.trace_eval import eval_advice
     from ampaudit.report.trace_precursors import precursor_advice
+    from ampaudit.report.trace_recipes import fallback_advice
     from ampaudit.report.trace_swamping import swamping_advice
 
     # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
     recs = run_advice(summary, data, culprits=culprits, all_headroom=all_headroom, findings=findings,
                       extra_evidence=decision_evidence(summary))
     recs += [grad_hist_advice(summary), eval_advice(summary), swamping_advice(summary), decision_advice(summary),
-             *precursor_advice(summary)]
+             *precursor_advice(summary), fallback_advice(summary)]
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])
 

@@ -17,7 +17,9 @@ Events (trace version 1, see ``ampaudit.runtime.trace``):
   rounding; ``scale`` is torchao's, the smallest one of an axiswise cast). ``grad_output`` is absent when no
   gradient reached the layer on that step.
 - ``fp8_budget``: module, role (input or grad_output), flushed_share, max_flushed_share (rules/policy/settings.toml
-  [plan]), fallback (whether the layer now trains in bf16). Once per layer and role.
+  [plan]), fallback (whether this object moved the layer to bf16: ``fallback=True``, which a session gives it
+  only for Float8Linear layers no plan converted; a plan's layers fall back through
+  :mod:`ampaudit.runtime.fallback` and its ``fallback`` events). Once per layer and role.
 
 Cost: nothing on the other steps (no hooks are registered). On a sampled step, per layer: a few passes over
 its input, weight and grad_output and about 30 scalar reads, which on CUDA each wait for the queue.
@@ -107,6 +109,8 @@ class Fp8Stats:
             # Float8Linear.forward's own cast under CUDA autocast (it reads the GPU's autocast state alone).
             if torch.is_autocast_enabled("cuda"):
                 x = x.to(torch.get_autocast_dtype("cuda"))
+            elif torch.is_autocast_enabled("cpu") and getattr(mod, "casts_cpu_autocast", False):
+                x = x.to(torch.get_autocast_dtype("cpu"))    # ampaudit.planning.convert's Float8Linear
             cfg = mod.config
             pow2 = cfg.round_scales_to_power_of_2
             found = self._pending[name] = {}

@@ -26,7 +26,9 @@ On the steps the statistics sample, in-place updates of low-precision state that
 ``session.measure_updates(optimizer=..., mastered=..., names=...)``).
 Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``, ``precursor``), the ``step`` events
 and, when the model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
-(:mod:`ampaudit.runtime.fp8_stats`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
+(:mod:`ampaudit.runtime.fp8_stats`), and for a plan's low-precision layers ``recipe_stats`` and, with
+``fp8_fallback``, ``fallback`` events (:mod:`ampaudit.runtime.recipe_stats`, :mod:`ampaudit.runtime.fallback`)
+go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
 (not closed here), or memory (``session.events``) when ``trace`` is None and ``memory`` is True.
 """
 from __future__ import annotations
@@ -50,7 +52,9 @@ from ampaudit.runtime.trace import TraceWriter, read_trace
 from ampaudit.runtime.trace_schema import meta as trace_meta
 
 if TYPE_CHECKING:
+    from ampaudit.runtime.fallback import Fallback
     from ampaudit.runtime.fp8_stats import Fp8Stats
+    from ampaudit.runtime.recipe_stats import RecipeStats
     from ampaudit.runtime.swamping import SwampMeter
     from ampaudit.runtime.watch import Watch
 
@@ -103,15 +107,17 @@ class WatchSession:
 
     ``trace``: a JSON Lines path, an open :class:`TraceWriter` (shared, not closed here), or None: events in
     memory (:attr:`events`) when ``memory``, else no watch and no events (``active`` stays False; the trainer on
-    DDP ranks other than 0, or without ``trace=``). ``fp8_fallback``: a Float8Linear whose input or grad_output
-    flushes past the plan's budget trains in bf16 from the next step (logged in its ``fp8_budget`` event).
+    DDP ranks other than 0, or without ``trace=``). ``fp8_fallback``: a plan's low-precision layer that leaves
+    its budget trains in the next safer recipe from the next step (:mod:`ampaudit.runtime.fallback`; a
+    Float8Linear the plan did not convert: in bf16, logged in its ``fp8_budget`` event). ``plan_file``: the plan
+    the fallback rewrites atomically on each switch.
     """
 
     def __init__(self, trace: str | os.PathLike | TraceWriter | None = None, *, every: int = 50,
                  divergence_every: int | None = None, raise_on_nonfinite: bool = False, stats: bool = True,
                  grad_norm_every: int | None = None, on_close: Callable[[list[dict]], Any] | None = None,
                  memory: bool = True, fp8_fallback: bool = False, replays: bool = True,
-                 stats_every: int | None = None):
+                 stats_every: int | None = None, plan_file: str | os.PathLike | None = None):
         self.trace = trace
         self.replays, self.stats_every = replays, stats_every
         self.memory = memory
@@ -121,9 +127,12 @@ class WatchSession:
         # step is attributed from them); without one, every `grad_norm_every` steps (default: `every`).
         self.grad_norm_every = grad_norm_every or every
         self.on_close = on_close    # given the run's events after the trace is closed (TensorBoard's writer)
-        self.fp8_fallback = fp8_fallback
+        self.fp8_fallback, self.plan_file = fp8_fallback, plan_file
         self.watch: Watch | None = None
         self.fp8: Fp8Stats | None = None
+        self.recipes: RecipeStats | None = None
+        self.fallback: Fallback | None = None
+        self._recipe_state: dict | None = None
         self.swamp: SwampMeter | None = None
         self._model: nn.Module | None = None
         self.writer: TraceWriter | None = None
@@ -185,8 +194,10 @@ class WatchSession:
         if self.stats:
             from ampaudit.runtime.fp8_stats import Fp8Stats
 
+            self._attach_recipes(model)
             # None unless the model holds torchao Float8Linear layers (a plan's): then `fp8` events too.
-            self.fp8 = Fp8Stats.attach(model, self.writer, every=self.every, fallback=self.fp8_fallback,
+            self.fp8 = Fp8Stats.attach(model, self.writer, every=self.every,
+                                       fallback=self.fp8_fallback and self.fallback is None,
                                        skip=lambda: self.watch is not None and self.watch.replaying)
             self._model = model
             self.measure_updates()
@@ -199,6 +210,47 @@ class WatchSession:
         if integration is not None:     # a callback's run: the session's own settings describe it too
             run.update(integration=integration, every=self.every, divergence_every=self.divergence_every)
         return trace_meta(source, step=step, **{**run, **given})
+
+    def _attach_recipes(self, model: nn.Module) -> None:
+        """`recipe_stats` of a plan's low-precision layers (none: nothing imported), and their fallback."""
+        from ampaudit.planning.convert import recipes_of
+
+        if not recipes_of(model):
+            return
+        from ampaudit.runtime.fallback import Fallback
+        from ampaudit.runtime.recipe_stats import RecipeStats
+
+        self.recipes = RecipeStats.attach(model, self.writer, every=self.every,
+                                          skip=lambda: self.watch is not None and self.watch.replaying)
+        if self.recipes is not None and self._recipe_state:
+            self.recipes.load_state_dict(self._recipe_state)
+        if self.recipes is not None and self.fp8_fallback:
+            self.fallback = Fallback(self.writer, plan_file=self.plan_file, on_switch=self._switched)
+
+    def _switched(self, name: str, mod: nn.Module) -> None:
+        """A layer changed recipe: the float8 statistics follow it, the recipe statistics drop it once high."""
+        from ampaudit.planning.recipes import HIGH_PRECISION
+
+        if self.fp8 is not None:
+            if hasattr(mod, "linear_mm_config"):     # a Float8Linear now
+                self.fp8.layers[name] = mod
+            else:
+                self.fp8.layers.pop(name, None)
+        if self.recipes is not None:
+            if mod.ampaudit_recipe["choice"] in HIGH_PRECISION:
+                self.recipes.untrack(name)
+            else:       # the new recipe is judged on the growth it has seen, from its first sampled step on
+                self.recipes.reference.pop(name, None)
+
+    def recipe_state(self) -> dict | None:
+        """What a checkpoint keeps of the recipe statistics (their first-step amaxes), or None."""
+        return self.recipes.state_dict() if self.recipes is not None else self._recipe_state
+
+    def restore_recipe_state(self, state: dict | None) -> None:
+        """Restore :meth:`recipe_state` from a checkpoint (before :meth:`start`, which applies it)."""
+        self._recipe_state = state
+        if self.recipes is not None and state:
+            self.recipes.load_state_dict(state)
 
     def measure_updates(self, *, optimizer: torch.optim.Optimizer | None = None,
                         mastered: list[torch.Tensor] | tuple = (), names: dict[int, str] | None = None) -> None:
@@ -231,6 +283,8 @@ class WatchSession:
         self.watch.set_step(step)
         if self.fp8 is not None:
             self.fp8.begin_step(step)
+        if self.recipes is not None:
+            self.recipes.begin_step(step)
 
     def due(self, step: int) -> bool:
         """Whether the watch wants to see ``step``'s passes: the first step, one per ``every``, the divergence
@@ -239,7 +293,8 @@ class WatchSession:
             return False
         dv = self.divergence_every
         return (step == self._first_step or step % self.every == 0 or (dv is not None and step % dv == 0)
-                or (self.fp8 is not None and self.fp8.sampled(step)))
+                or (self.fp8 is not None and self.fp8.sampled(step))
+                or (self.recipes is not None and self.recipes.sampled(step)))
 
     def set_hooks(self, on: bool) -> None:
         """Attach (``on``) or detach the watch's module hooks, e.g. around passes of a compiled model, which
@@ -298,6 +353,10 @@ class WatchSession:
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
         if self.fp8 is not None:     # the step's fp8 events (its backward is done) go before its `step` line
             self.fp8.end_step(self._step)
+        if self.recipes is not None:     # and its recipe statistics; a layer past its budget switches now
+            found = self.recipes.end_step(self._step)
+            if self.fallback is not None and found:
+                self.fallback.judge(self._step, found, self.recipes.layers)
         if self.swamp is not None and self.swamp.active:   # the optimizer has stepped: the step's updates are in
             for event in self.swamp.finish():
                 self.writer.write("swamping", **event)
@@ -368,6 +427,10 @@ class WatchSession:
         """Flush the watch's statistics and remove its hooks; the trace stays open for :meth:`write`."""
         watch, self.watch = self.watch, None
         fp8, self.fp8 = self.fp8, None
+        recipes, self.recipes, self.fallback = self.recipes, None, None
+        if recipes is not None:
+            self._recipe_state = recipes.state_dict()
+            recipes.close()
         swamp, self.swamp = self.swamp, None
         if swamp is not None:
             swamp.abort()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The newest version ampaudit writes and reads (it reads 1 and 2 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 3
+TRACE_VERSION = 4
 # Every event has these two keys besides its fields: its kind and the training step (null when none).
 ENVELOPE = ("event", "step")
 
@@ -88,6 +88,8 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
                               "calls")),
     EventKind("precursor", 3, ("signal", "module", "value", "threshold", "max_step"),
               ("crossed_step", "passes", "absmax", "median", "min_abs")),
+    EventKind("recipe_stats", 4, ("module", "recipe", "gemms", "sqnr_db", "input"), ("grad_output",)),
+    EventKind("fallback", 4, ("module", "from", "to", "reason", "value", "limit", "why")),
 )}
 
 

@@ -76,7 +76,8 @@ class TrainConfig:
     trace: Any = _opt(None, _PATH)                      # a path, or a TraceWriter
     trace_every: int = _opt(50, int)
     divergence_every: int | None = _opt(None, int)
-    fp8_fallback: bool = _opt(False, bool)
+    fp8_fallback: bool = _opt(False, bool)            # a plan's layer leaving its budget switches to a safer recipe
+    plan_file: Any = _opt(None, _PATH)                  # the plan a fallback rewrites (ampaudit train: --plan's)
     # checkpoints, evaluation, the console
     checkpoint_dir: Any = _opt(None, _PATH)
     checkpoint_every: int | None = _opt(None, int)

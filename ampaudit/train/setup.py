@@ -231,7 +231,8 @@ class TrainerSetup:
         watch = cfg.watch_options()
         trace = watch.pop("trace")
         self.session = WatchSession(trace if self.dist.is_main else None, **watch, memory=False,
-                                    fp8_fallback=cfg.fp8_fallback, replays=not (self.fsdp or self._compiled or synced),
+                                    fp8_fallback=cfg.fp8_fallback, plan_file=cfg.plan_file,
+                                    replays=not (self.fsdp or self._compiled or synced),
                                     stats_every=1 if self._compiled else None)
         # BatchNorm over small per-rank micro-batches: warned about at the start (ampaudit.train.batchnorm).
         # The micro-batch the LR policy read from the data already, if it had to: train_data() is not read twice.

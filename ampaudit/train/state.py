@@ -38,6 +38,7 @@ class TrainerState:
     session: WatchSession
     dist: ddp.DistContext
     dtype: torch.dtype
+    device: torch.device
     opt_level: str
     accum: int
     fsdp: bool
@@ -55,7 +56,34 @@ class TrainerState:
         Collective (the RNG states are gathered)."""
         return {"step": self.step, "data": self._stream.position(), "scaler": self.scaler.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "rng": ddp.gather(capture_rng(), self.dist), "config": self._config()}
+                "rng": ddp.gather(capture_rng(), self.dist), "config": self._config(), **self._recipe_state()}
+
+    def _recipe_state(self) -> dict[str, Any]:
+        """A plan's layers: each one's current recipe (a fallback may have switched it) and the recipe statistics'
+        first-step amaxes; {} for a model no plan converted."""
+        from ampaudit.planning.convert import recipes_of
+
+        recipes = recipes_of(self.model)
+        return {"recipes": recipes, "recipe_stats": self.session.recipe_state()} if recipes else {}
+
+    def _restore_recipes(self, state: dict[str, Any]) -> None:
+        """Train each layer in the recipe it had at the checkpoint's step (the plan file may be newer)."""
+        saved = state.get("recipes")
+        if not saved:
+            return
+        from ampaudit.planning.convert import recipe_of, set_recipe
+        from ampaudit.wrappers import unwrap
+
+        modules = dict(unwrap(self.model).named_modules())
+        missing = sorted(set(saved) - set(modules))
+        if missing:
+            raise TrainError(f"checkpoint names plan layer(s) {', '.join(missing[:3])} this model lacks",
+                             hint="resume with the same model file and plan")
+        for name, recipe in saved.items():
+            if recipe_of(modules[name]) == {"choice": recipe["choice"], "gemms": dict(recipe.get("gemms") or {})}:
+                continue
+            set_recipe(modules[name], recipe["choice"], recipe.get("gemms"), name=name, device=self.device)
+        self.session.restore_recipe_state(state.get("recipe_stats"))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bit-identical resume needs. Collective under DDP: every rank must call it."""
@@ -75,6 +103,7 @@ class TrainerState:
             raise TrainError(f"checkpoint does not match this run: {', '.join(diff)}",
                              hint="resume with the settings it was written with (an FSDP checkpoint: the same "
                                   "ranks x accum), or drop resume=True")
+        self._restore_recipes(state)
         if not self.fsdp:
             try:
                 self.model.load_state_dict(state["model"])

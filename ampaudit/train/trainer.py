@@ -25,6 +25,8 @@ dict of keyword arguments); ``loss_fn(output, target)`` returns a scalar. ``opti
 parameters to optimize (the FP32 masters under O2; default AdamW), ``scheduler`` a factory called with the optimizer.
 A run that keeps skipping steps raises :class:`~ampaudit.errors.TrainingHalted` after writing a checkpoint and a
 diagnosis; SIGINT/SIGTERM end the run after the current step with a checkpoint (``result.stopped`` names the signal).
+``fp8_fallback=True`` (with a trace) switches a plan's layer that leaves its budget to a safer recipe
+(:mod:`ampaudit.runtime.fallback`), rewriting ``plan_file`` when given.
 """
 from __future__ import annotations
 
