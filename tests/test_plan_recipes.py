@@ -144,6 +144,21 @@ def test_a_version_1_plan_reads_as_version_2():
         recipes.normalise_plan({"version": 3, "layers": []})
 
 
+def test_every_plan_reader_reads_through_the_one_normaliser(tmp_path):
+    from ampaudit.planning import apply
+
+    v1 = {"version": 1, "recipe": "rowwise", "layers": [{"module": "a", "choice": "float8"}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(v1))
+    # train --plan (load_plan), apply_plan and the fallback's rewrite all read a plan as the writer's version
+    assert apply.load_plan(path) == recipes.normalise_plan(v1)
+    assert apply.load_plan(path)["version"] == api.PLAN_VERSION == recipes.PLAN_VERSION
+    assert apply.load_plan(path)["recipe"] == "float8_rowwise"
+    path.write_text(json.dumps({**v1, "recipe": "rowwize"}))
+    with pytest.raises(InputError, match="plan recipe 'rowwize' is unknown"):
+        apply.load_plan(path)
+
+
 def test_cli_recipes_flag(tmp_path):
     from typer.testing import CliRunner
 

@@ -27,10 +27,9 @@ from torch import nn
 
 from ampaudit.errors import UsageError
 from ampaudit.planning.choose import Budget, LayerPlan, misaligned_dims
-from ampaudit.planning.recipes import choices, native_recipes, parse_recipes, recipe_names
+from ampaudit.planning.recipes import PLAN_VERSION, choices, native_recipes, parse_recipes, recipe_names
 from ampaudit.planning.recipes import recipe as recipe_row
 
-PLAN_VERSION = 2
 RECIPES = ("tensorwise", "rowwise", "auto")      # the single-recipe ``recipe=`` of version-1 callers
 _AUTO = ("float8_tensorwise", "float8_rowwise")
 

@@ -22,7 +22,6 @@ in bf16 for alignment alone (``float8_if_padded``), are padded with zero rows an
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -30,30 +29,9 @@ import torch
 from torch import nn
 
 from ampaudit.errors import InputError, UsageError
+from ampaudit.planning.recipes import normalise_plan
 
 _HINT = "re-run ampaudit plan on this model and pass the new plan"
-PLAN_VERSION = 2
-
-
-def normalise_plan(data: dict) -> dict:
-    """A version-2 plan from a version-1 or version-2 one (a copy): v1's ``"float8"`` choice becomes the recipe
-    its top-level ``recipe`` names (``float8_tensorwise`` / ``float8_rowwise``); InputError when not a plan."""
-    from ampaudit.planning.recipes import parse_recipes
-
-    if not isinstance(data, dict) or data.get("version") not in (1, 2) or not isinstance(data.get("layers"), list):
-        raise InputError("not an ampaudit plan (version 1 or 2)", hint=_HINT)
-    out = copy.deepcopy(data)
-    if data["version"] == 1:
-        try:
-            recipe = parse_recipes(str(data.get("recipe", "tensorwise")))[0]
-        except UsageError as exc:
-            raise InputError(f"plan recipe {data.get('recipe')!r} is unknown", hint=_HINT) from exc
-        out["recipe"] = recipe
-        for layer in out["layers"]:
-            if isinstance(layer, dict) and layer.get("choice") == "float8":
-                layer["choice"] = recipe
-        out["version"] = PLAN_VERSION
-    return out
 
 
 def load_plan(path: str | Path) -> dict:

@@ -19,7 +19,11 @@ from functools import lru_cache
 from ampaudit.errors import RuleError, UsageError
 from ampaudit.policy import read_toml, rules_dir
 
-__all__ = ["Recipe", "recipe", "recipe_names", "parse_recipes", "native_recipes", "safer", "choices",
+# The version of the plan JSON ``ampaudit plan`` writes (ampaudit.planning.api.Plan.to_dict) and every reader reads
+# a plan as (:func:`normalise_plan`; version 1 is read too).
+PLAN_VERSION = 2
+
+__all__ = ["PLAN_VERSION", "Recipe", "recipe", "recipe_names", "parse_recipes", "native_recipes", "safer", "choices",
            "HIGH_PRECISION", "budget", "normalise_plan"]
 
 HIGH_PRECISION = ("bfloat16", "float32")
@@ -142,10 +146,10 @@ def budget(name: str) -> tuple[float, float] | None:
 
 
 def normalise_plan(data: dict) -> dict:
-    """A plan (the dict of ``ampaudit plan -o``) as version 2: a version-1 plan's ``choice: "float8"`` becomes
-    the recipe its top-level ``recipe`` named (``float8_tensorwise`` when absent), ``recipes`` lists it, and its
-    ``metrics["float8"]`` is filed under that name. A version-2 plan comes back as it is (a copy); anything
-    else raises InputError."""
+    """A plan (the dict of ``ampaudit plan -o``) as version :data:`PLAN_VERSION`: a version-1 plan's
+    ``choice: "float8"`` becomes the recipe its top-level ``recipe`` named (``float8_tensorwise`` when absent),
+    ``recipe`` and ``recipes`` name it in full, and its ``metrics["float8"]`` is filed under that name. A version-2 plan comes back as it
+    is (a copy); anything else, or a version-1 recipe this table does not know, raises InputError."""
     import copy
 
     from ampaudit.errors import InputError
@@ -154,9 +158,12 @@ def normalise_plan(data: dict) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("layers"), list) or data.get("version") not in (1, 2):
         raise InputError("not an ampaudit plan (version 1 or 2)", hint=hint)
     out = copy.deepcopy(data)
-    if out["version"] == 2:
+    if out["version"] == PLAN_VERSION:
         return out
-    name = parse_recipes(str(out.get("recipe") or "tensorwise"))[0]
+    try:
+        name = parse_recipes(str(out.get("recipe") or "tensorwise"))[0]
+    except UsageError as exc:
+        raise InputError(f"plan recipe {out.get('recipe')!r} is unknown", hint=hint) from exc
     for layer in out["layers"]:
         if not isinstance(layer, dict):
             raise InputError("a plan layer is not an object", hint=hint)
@@ -165,5 +172,5 @@ def normalise_plan(data: dict) -> dict:
         metrics = layer.get("metrics")
         if isinstance(metrics, dict) and "float8" in metrics:
             metrics[name] = metrics.pop("float8")
-    out["version"], out["recipes"] = 2, [name]
+    out["version"], out["recipe"], out["recipes"] = PLAN_VERSION, name, [name]
     return out
