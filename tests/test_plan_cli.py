@@ -137,6 +137,7 @@ def test_cli_plan_json_then_train_with_it(tmp_path):
     assert plan["version"] == 2 and plan["summary"]["low_precision"] >= 1
 
 
+@pytest.mark.slow
 def test_cli_train_with_a_version_2_plan(tmp_path):
     out = tmp_path / "plan.json"
     r = _cli("plan", SAMPLE, "--speed-model", "off", "--recipes", "tensorwise", "-o", out, cwd=tmp_path)
