@@ -57,6 +57,11 @@ class TrainError(AmpAuditError):
     """Training cannot start or continue (missing train_data/loss_fn, fp16 weights without masters, ...)."""
 
 
+class MissingExtraError(AmpAuditError, ImportError):
+    """An optional package is not installed; the message names the extra that installs it
+    (:func:`ampaudit.extras.require`)."""
+
+
 class TrainingHalted(AmpAuditError):
     """The trainer stopped on purpose (too many skipped steps); exit code 3, distinct from errors."""
 

@@ -22,6 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
+from ampaudit.user_code import is_user_file
+
 
 def debug() -> bool:
     """Whether ``AMPAUDIT_DEBUG`` asks for everything (tracebacks, torch's warnings)."""
@@ -40,8 +42,6 @@ def _library_dirs() -> tuple[str, ...]:
 @lru_cache(maxsize=4096)
 def concerns_user(filename: str) -> bool:
     """Whether a warning attributed to ``filename`` is about the user's own code (see the module docstring)."""
-    from ampaudit.capture.fx_capture import is_user_file     # here: the capture package imports this module
-
     if not is_user_file(filename):
         return False
     try:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import linecache
-import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -26,24 +24,8 @@ from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import CaptureError
 from ampaudit.graph_meta import SourceLoc, set_origin
+from ampaudit.user_code import is_user_file
 from ampaudit.wrappers import unwrap
-
-
-# Frames from these folders are machinery, not the user's model code.
-_SKIP_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in (
-    Path(torch.__file__).parent, Path(__file__).resolve().parents[1], Path(os.__file__).parent,
-))
-
-
-@functools.lru_cache(maxsize=4096)
-def is_user_file(filename: str) -> bool:
-    if filename.startswith("<"):
-        return False
-    try:
-        resolved = str(Path(filename).resolve())
-    except OSError:
-        return False
-    return not resolved.startswith(_SKIP_DIRS)
 
 
 # The frame that started running the model (see model_code_only): frames further out are its caller's (the CLI,

@@ -75,6 +75,13 @@ def check(
                            rules_dirs=rule_dirs, target=target, base_dir=Path.cwd(), capture_mode=capture,
                            calibrate=calibrate, data=data, batch=batch, **loaded.kwargs)
 
+    _emit(report, fmt, output, why, rule_dirs)
+    if fail != "never" and report.at_or_above(fail):
+        raise typer.Exit(1)
+
+
+def _emit(report, fmt: str, output: Path | None, why: bool, rule_dirs: list[str]) -> None:
+    """Print ``report`` in ``fmt`` (table, json, github, sarif), or write it to ``output``."""
     if fmt == "table":
         if output:
             console = Console(record=True, width=120, file=io.StringIO())
@@ -99,8 +106,6 @@ def check(
             _write(output, text + "\n" if text else "")
         elif text:  # a clean run prints nothing in the github format
             typer.echo(text)
-    if fail != "never" and report.at_or_above(fail):
-        raise typer.Exit(1)
 
 
 def _render(report, console: Console, why: bool) -> None:

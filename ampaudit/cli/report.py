@@ -48,7 +48,7 @@ def report(
         from ampaudit.report.html import require_plotly
         require_plotly()
     if tensorboard is not None:
-        from ampaudit.integrations import require
+        from ampaudit.extras import require
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     findings = load_findings(check) if check is not None else None
     events, problems = read_trace(trace)
@@ -78,7 +78,7 @@ def report(
         written = write_html(html, data, problems, trace=str(trace), summary=summary)
         typer.echo(f"wrote {written}", err=as_json)
     if tensorboard is not None:
-        from ampaudit.integrations.tensorboard import write_tensorboard
+        from ampaudit.report.tensorboard import write_tensorboard
         count = write_tensorboard(events, tensorboard)
         typer.echo(f"wrote {count} TensorBoard scalars to {tensorboard}", err=as_json)
 

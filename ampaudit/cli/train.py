@@ -203,7 +203,7 @@ def _check(cfg: TrainConfig, preflight_only: bool) -> None:
     if cfg.tensorboard is not None:
         if cfg.trace is None:
             raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
-        from ampaudit.integrations import require
+        from ampaudit.extras import require
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     if cfg.divergence_every is not None and cfg.trace is None:
         raise UsageError("--divergence-every needs --trace FILE", hint="e.g. --trace run.jsonl --divergence-every 500")
@@ -275,7 +275,7 @@ def _fit(trainer, cfg: TrainConfig):
         raise typer.Exit(exc.exit_code) from None   # rank 0 alone reports; the others exit with the same code
     finally:
         if cfg.tensorboard is not None and main and Path(cfg.trace).is_file():  # a halted run's is worth plotting
-            from ampaudit.integrations.tensorboard import write_tensorboard
+            from ampaudit.report.tensorboard import write_tensorboard
             from ampaudit.runtime.trace import read_trace
             count = write_tensorboard(read_trace(cfg.trace)[0], cfg.tensorboard)
             typer.echo(f"wrote {count} TensorBoard scalars to {cfg.tensorboard}", err=True)

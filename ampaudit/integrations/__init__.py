@@ -9,28 +9,12 @@ only connects it, and imports its third-party package lazily (an optional extra)
 """
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any, Callable
 
-from ampaudit.errors import AmpAuditError
+from ampaudit.errors import MissingExtraError
+from ampaudit.extras import require
 
-
-class MissingExtraError(AmpAuditError, ImportError):
-    """An integration's package is not installed; the message names the extra that installs it."""
-
-
-def require(module: str, *, extra: str, feature: str) -> ModuleType:
-    """Import ``module`` or raise :class:`MissingExtraError` saying which extra to install for ``feature``."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        top = module.split(".")[0]
-        name = getattr(exc, "name", None) or top
-        if name != top and not name.startswith(top + "."):
-            raise  # the package is there but one of its own dependencies is broken: show the real error
-        raise MissingExtraError(f"{feature} needs the {top!r} package, which is not installed",
-                                hint=f"pip install 'ampaudit[{extra}]'") from exc
+__all__ = ["MissingExtraError", "callback_session", "require", "tensorboard_at_close"]
 
 
 def tensorboard_at_close(logdir) -> Callable[[list[dict]], int] | None:
@@ -38,7 +22,7 @@ def tensorboard_at_close(logdir) -> Callable[[list[dict]], int] | None:
     ``logdir`` (a MissingExtraError now, before training, when tensorboard is not installed)."""
     if logdir is None:
         return None
-    from ampaudit.integrations.tensorboard import writer_at_close
+    from ampaudit.report.tensorboard import writer_at_close
 
     return writer_at_close(logdir)
 

@@ -150,10 +150,8 @@ def _render_precursors(prec: dict, c: Console) -> None:
                 f"first at step {first['step']} ({fmt(first['loss'], '.4g')}, {fmt(first['sigmas'], '.1f')} sigma)")
 
 
-def render_summary(summary: dict, console: Console | None = None) -> None:
-    """Print every section of the summary that has data; problems with the trace come first."""
-    c = console or Console()
-    meta = summary.get("meta") or {}
+def _render_header(summary: dict, meta: dict, c: Console) -> None:
+    """The trace's name and run, its problems (unreadable lines, unknown events), then the run's lines."""
     about = " / ".join(str(meta[k]) for k in ("source", "dtype", "device", "model") if meta.get(k))
     c.print(f"[bold]ampaudit report[/] {escape(str(summary.get('trace') or ''))}"
             + (f"  [dim]({escape(about)})[/]" if about else ""))
@@ -178,6 +176,8 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         grid.add_row("grad range", escape(describe(summary["grad_hist"])))
     c.print(grid)
 
+
+def _render_first_nonfinite(summary: dict, c: Console) -> None:
     first = summary["first_nonfinite"]
     c.print("\n[bold]First non-finite[/]")
     if first:
@@ -190,6 +190,28 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
                    if summary["nonfinite"]["count"] > 1 else ""))
     else:
         c.print("  none recorded")
+
+
+def _render_recommendations(summary: dict, c: Console) -> None:
+    c.print("\n[bold]Recommendations[/]")
+    if not summary["recommendations"]:
+        c.print("  none: the run looks healthy" if summary["steps"]["count"] else "  none: the trace holds no steps")
+    for rec in summary["recommendations"]:
+        mark, style = SEVERITY_STYLE.get(rec["severity"], ("-", ""))
+        c.print(f"  [{style}]{mark}[/] {escape(rec['message'])}")
+        if rec.get("code"):
+            c.print(f"      [green]{escape(rec['code'])}[/]")
+        for f in rec.get("findings", [])[:10]:
+            c.print(f"      {escape(str(f['rule']))} {escape(f['module'] or '<top>')}: "
+                    f"{escape(str(f['message']))} [dim](run: {escape(f['evidence'])})[/]")
+
+
+def render_summary(summary: dict, console: Console | None = None) -> None:
+    """Print every section of the summary that has data; problems with the trace come first."""
+    c = console or Console()
+    meta = summary.get("meta") or {}
+    _render_header(summary, meta, c)
+    _render_first_nonfinite(summary, c)
 
     div = summary["divergence"]
     if div["top"]:
@@ -229,14 +251,4 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     if prec.get("signals") or (prec.get("spikes") or {}).get("count"):
         _render_precursors(prec, c)
 
-    c.print("\n[bold]Recommendations[/]")
-    if not summary["recommendations"]:
-        c.print("  none: the run looks healthy" if summary["steps"]["count"] else "  none: the trace holds no steps")
-    for rec in summary["recommendations"]:
-        mark, style = SEVERITY_STYLE.get(rec["severity"], ("-", ""))
-        c.print(f"  [{style}]{mark}[/] {escape(rec['message'])}")
-        if rec.get("code"):
-            c.print(f"      [green]{escape(rec['code'])}[/]")
-        for f in rec.get("findings", [])[:10]:
-            c.print(f"      {escape(str(f['rule']))} {escape(f['module'] or '<top>')}: "
-                    f"{escape(str(f['message']))} [dim](run: {escape(f['evidence'])})[/]")
+    _render_recommendations(summary, c)

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampaudit.capture.fx_capture import is_user_file
+from ampaudit.user_code import is_user_file
 from ampaudit.dtypes import is_half
 from ampaudit.notes import note
 from ampaudit.runtime.module_stack import ModuleStack, short_location, source_from_lines, user_source

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ampaudit.capture.fx_capture import is_user_file
+from ampaudit.user_code import is_user_file
 
 _TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 

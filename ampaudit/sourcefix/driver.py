@@ -103,12 +103,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
     allowed = {p for p in files if not is_library_file(p)}
     nodes = {n.name: n for n in aud.capture.gm.graph.nodes}
     kinds = {id(f): source_fix_of(by_id.get(f.rule)) for f in findings}
-    probe_paths = {f.module for f in findings if fixers.get(kinds[id(f)]["kind"]) is not None
-                   and fixers[kinds[id(f)]["kind"]].needs_inputs}
-    if inputs is None:
-        inputs = {}
-    if probe_paths - set(inputs):
-        inputs.update(probe_inputs(model, probe_paths - set(inputs), args, kwargs or {}))
+    inputs = _with_probe_inputs(model, findings, kinds, fixers, inputs, args, kwargs)
 
     seen: set = set()
     static_modules: set[str] = set()
@@ -119,14 +114,9 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
         params = kinds[id(f)]
         kind = params["kind"]
         file = canon(str(Path(f.location["file"]).resolve()))
-        if kind == "none":
-            plan.refusals.append(Refusal(f.rule, file, f.location["line"], f.module, "the rule has no source fix",
-                                         f.fix or "see ampaudit rules " + f.rule))
-            continue
-        if file not in allowed:
-            plan.refusals.append(Refusal(f.rule, file, f.location["line"], f.module,
-                                         "the line is in an installed package, which fix never edits",
-                                         _library_instead(f, kind, aud.capture.mode)))
+        refusal = _refused_before_fixing(f, kind, file, allowed, aud.capture.mode)
+        if refusal is not None:
+            plan.refusals.append(refusal)
             continue
         # One edit per line for the instances of one class (blocks.0.attn, blocks.1.attn); layers are their own.
         key = (f.rule, file, f.location["line"], f.op, str(f.details.get("dim")),
@@ -134,20 +124,14 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
         if key in seen:
             continue
         seen.add(key)
-        if kind == MODULE_KIND and f.module in static_modules:
-            plan.deferred.append(f)
-            continue
-        if kind == MODULE_KIND and f.module in fp32_modules:   # its module already runs in fp32
-            if f.rule not in fp32_modules[f.module].covers and f.rule != fp32_modules[f.module].rule:
-                fp32_modules[f.module].covers.append(f.rule)
+        if _covered_already(plan, f, kind, static_modules, fp32_modules):
             continue
         ctx = FixContext(finding=f, params=params, file=file, policy=aud.policy, source_for=source_for,
                          node=nodes.get(f.node) if f.node else None, nodes=nodes, model=model, inputs=inputs,
                          allowed=lambda p: canon(str(Path(p).resolve())) in allowed, capture=aud.capture.mode)
         out = fixers[kind].fn(ctx)
         if isinstance(out, Refusal):
-            out.file = canon(str(Path(out.file).resolve())) if out.file else None
-            plan.refusals.append(out)
+            _refuse(plan, out, canon)
             continue
         for edit in out:
             if edit.kind == MODULE_KIND:
@@ -159,19 +143,71 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
                     static_modules.update(_same_code(model, f.module))
             elif _apply(plan, current, edit, unsafe, canon, rule_names):
                 static_modules.update(_same_code(model, f.module))
+    _apply_blocks(plan, current, blocks, fixers, static_modules, model=model, unsafe=unsafe, canon=canon,
+                  rule_names=rule_names)
+    plan.texts = {p: s.text for p, s in current.items()}
+    return plan
+
+
+def _with_probe_inputs(model: nn.Module, findings: list[Finding], kinds: dict, fixers, inputs: dict | None,
+                       args: tuple, kwargs: dict | None) -> dict:
+    """``inputs`` (module path -> what it received), completed by one probe run for the modules whose fixer
+    needs inputs and that ``inputs`` lacks."""
+    inputs = {} if inputs is None else inputs
+    probe_paths = {f.module for f in findings if fixers.get(kinds[id(f)]["kind"]) is not None
+                   and fixers[kinds[id(f)]["kind"]].needs_inputs}
+    if probe_paths - set(inputs):
+        inputs.update(probe_inputs(model, probe_paths - set(inputs), args, kwargs or {}))
+    return inputs
+
+
+def _refused_before_fixing(f: Finding, kind: str, file: str, allowed: set[str], mode: str) -> Refusal | None:
+    """Why ``f`` gets no edit whatever its fixer would say (the rule has none; its line is a library's), or None."""
+    if kind == "none":
+        return Refusal(f.rule, file, f.location["line"], f.module, "the rule has no source fix",
+                       f.fix or "see ampaudit rules " + f.rule)
+    if file not in allowed:
+        return Refusal(f.rule, file, f.location["line"], f.module,
+                       "the line is in an installed package, which fix never edits", _library_instead(f, kind, mode))
+    return None
+
+
+def _covered_already(plan: Plan, f: Finding, kind: str, static_modules: set[str],
+                     fp32_modules: dict[str, Edit]) -> bool:
+    """Whether an earlier edit settles ``f``: its module's code was edited in place (``f`` waits for the next
+    round, in ``plan.deferred``), or its module already runs in fp32 (the edit then covers ``f``'s rule too)."""
+    if kind != MODULE_KIND:
+        return False
+    if f.module in static_modules:
+        plan.deferred.append(f)
+        return True
+    if f.module in fp32_modules:
+        edit = fp32_modules[f.module]
+        if f.rule not in edit.covers and f.rule != edit.rule:
+            edit.covers.append(f.rule)
+        return True
+    return False
+
+
+def _apply_blocks(plan: Plan, current: dict[str, Source], blocks: list[tuple[FixContext, Edit]], fixers,
+                  static_modules: set[str], *, model: nn.Module, unsafe: bool, canon: Callable[[str], str],
+                  rule_names: dict[str, str]) -> None:
+    """Apply the block edits, planned while the line edits were applied, to the sources as they are now."""
     # Block edits change line numbers below them: recompute each on the current parse, last line first.
     for ctx, first in sorted(blocks, key=lambda b: (b[1].file, -b[1].line)):
         out = fixers[ctx.params["kind"]].fn(ctx)
         if isinstance(out, Refusal):
-            out.file = canon(str(Path(out.file).resolve())) if out.file else None
-            plan.refusals.append(out)
+            _refuse(plan, out, canon)
             continue
         for edit in out:
             edit.covers = first.covers
             if _apply(plan, current, edit, unsafe, canon, rule_names) and edit.kind != MODULE_KIND:
                 static_modules.update(_same_code(model, ctx.finding.module))
-    plan.texts = {p: s.text for p, s in current.items()}
-    return plan
+
+
+def _refuse(plan: Plan, out: Refusal, canon: Callable[[str], str]) -> None:
+    out.file = canon(str(Path(out.file).resolve())) if out.file else None
+    plan.refusals.append(out)
 
 
 def _instances(model: nn.Module, path: str) -> set[str]:

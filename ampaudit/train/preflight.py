@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,29 +26,9 @@ import torch.nn as nn
 from ampaudit.dtypes import HALF, name_of
 from ampaudit.policy import settings
 from ampaudit.train.ddp import collective_device
+from ampaudit.train.preflight_check import Check, failed
 
 LOW = HALF
-
-
-@dataclass(frozen=True)
-class Check:
-    """One preflight line. ``status``: "ok", "warn" or "fail"; ``hint``: what to change (failures, warnings)."""
-
-    name: str
-    status: str
-    message: str
-    hint: str = ""
-
-    def line(self) -> str:
-        tag = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}[self.status]
-        return f"{tag} {self.name}: {self.message}" + (f" -> {self.hint}" if self.hint and self.status != "ok" else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def failed(checks: Sequence[Check]) -> list[Check]:
-    return [c for c in checks if c.status == "fail"]
 
 
 def _gib(n: float) -> str:
