@@ -197,3 +197,30 @@ def test_cli_recipes_flag(tmp_path):
     assert r.exit_code == 2 and "unknown recipe 'fp4'" in r.output
     r = runner.invoke(app, ["plan", str(sample), "--recipes", "rowwise", "--recipe", "tensorwise"])
     assert r.exit_code == 2 and "--recipes and --recipe" in r.output
+
+
+@pytest.mark.parametrize("width", [80, 100, 116, 140])
+def test_plan_table_wraps_long_recipe_names_instead_of_cutting_them(width, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from ampaudit.planning.report import render_plan
+
+    plan = ampaudit.plan(nn.Sequential(_lin()), [((torch.randn(64, 64),), {})], recipes="rowwise_with_gw_hp",
+                         speed_model="off")
+    monkeypatch.setenv("COLUMNS", str(width))
+    buf = io.StringIO()
+    render_plan(plan, Console(file=buf, color_system=None))
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "…" not in text and "within budget" in text
+    # every character of the reason is on screen: only spaces and line breaks were added
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.rstrip().endswith(" why")), None)
+    if header is None:                      # narrow: the reasons are printed under the table
+        shown = text
+    else:                                   # the why column alone, its lines in order
+        col = lines[header].rindex(" why") + 1
+        shown = "".join(line[col:] for line in lines[header + 2:] if line.strip())
+    assert "".join(plan.layers[0].reasons[0].split()) in "".join(shown.split())
