@@ -1,7 +1,7 @@
 """Training loss per recipe on the planted models: the plan restricted to one recipe, every Linear in that recipe,
 and bf16, over seeds.
 
-    OMP_NUM_THREADS=1 python bench/fp8_plan_planted.py                 # 7 models x 5 recipes, seeds 0 1 2, 40 steps
+    OMP_NUM_THREADS=1 python bench/fp8_plan_planted.py                 # 6 models x 5 recipes, seeds 0 1 2, 40 steps (~6 min)
     python bench/fp8_plan_planted.py --recipes mxfp8,nvfp4 --models per_block_gamma --seeds 0 1 2 3
     python bench/fp8_plan_planted.py --quick                           # smoke run: 1 seed, 3 steps
     python bench/fp8_plan_planted.py --json out.json
