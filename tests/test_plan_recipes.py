@@ -123,6 +123,41 @@ def test_speed_adapter_returns_none_for_an_unknown_recipe_and_raises_for_an_unkn
         api.recipe_speed(4096, 4096, 4096, "tpu", "float8_rowwise")
 
 
+def test_a_recipe_the_target_gpu_cannot_run_natively_is_measured_but_never_chosen_for_it():
+    why = "h100 has no native mxfp8 kernels (compute capability 9.0 < 10.0)"
+    m = _measured(float8_rowwise=(24.0, 24.0, 24.0), mxfp8=(29.0, 29.0, 29.0), bfloat16=(50.0, 50.0, 50.0))
+    layer = pick_layer(m, ["float8_rowwise", "mxfp8"], budget=BUDGET, not_native={"mxfp8": why},
+                       speeds={"float8_rowwise": {"speedup": 1.2, "bound": "compute"}})
+    assert layer.choice == "float8_rowwise" and f"mxfp8: {why}" in layer.reasons
+    assert "mxfp8" in layer.metrics
+    with pytest.raises(UsageError, match="no native mxfp8 kernels"):
+        api.recipe_speed(4096, 4096, 4096, "h100", "mxfp8")
+    assert api.not_native_recipes(("float8_rowwise", "mxfp8", "nvfp4"), "h100") == {
+        "mxfp8": why, "nvfp4": "h100 has no native nvfp4 kernels (compute capability 9.0 < 10.0)"}
+    assert api.not_native_recipes(("mxfp8",), "off") == {} and api.not_native_recipes(("mxfp8",), "b200") == {}
+    # the whole plan: mxfp8 alone on an H100 keeps the layer bf16, and says why; off chooses by accuracy
+    batches = [((torch.randn(64, 64),), {})]
+    h100 = ampaudit.plan(nn.Sequential(_lin()), batches, recipes="mxfp8", speed_model="h100").to_dict()
+    (got,) = h100["layers"]
+    assert got["choice"] == "bfloat16" and f"mxfp8: {why}" in got["reasons"]
+    assert got["metrics"]["mxfp8"]["output"]["sqnr_db"] > 20
+    assert any("h100 has no native kernels for mxfp8: measured, never chosen" in n for n in h100["notes"])
+    off = ampaudit.plan(nn.Sequential(_lin()), batches, recipes="mxfp8", speed_model="off").to_dict()
+    assert off["layers"][0]["choice"] == "mxfp8"
+
+
+def test_speed_model_help_lists_every_fp8_gpu_of_gpus_toml():
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+    from ampaudit.planning.speed import float8_gpus, load_gpus
+
+    assert "h100_meta" in float8_gpus() and "a100" in load_gpus() and "a100" not in float8_gpus()
+    out = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "400"}).output
+    assert ", ".join(float8_gpus()) + ", or off" in " ".join(out.split())
+
+
 def test_default_recipes_follow_the_speed_model_gpu():
     assert api.default_recipes("h100") == ("float8_tensorwise", "float8_rowwise", "float8_rowwise_with_gw_hp")
     assert {"mxfp8", "nvfp4"} <= set(api.default_recipes("b200")) and "blockwise" not in api.default_recipes("b200")
@@ -177,3 +212,30 @@ def test_cli_recipes_flag(tmp_path):
     assert r.exit_code == 2 and "unknown recipe 'fp4'" in r.output
     r = runner.invoke(app, ["plan", str(sample), "--recipes", "rowwise", "--recipe", "tensorwise"])
     assert r.exit_code == 2 and "--recipes and --recipe" in r.output
+
+
+@pytest.mark.parametrize("width", [80, 100, 116, 140])
+def test_plan_table_wraps_long_recipe_names_instead_of_cutting_them(width, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from ampaudit.planning.report import render_plan
+
+    plan = ampaudit.plan(nn.Sequential(_lin()), [((torch.randn(64, 64),), {})], recipes="rowwise_with_gw_hp",
+                         speed_model="off")
+    monkeypatch.setenv("COLUMNS", str(width))
+    buf = io.StringIO()
+    render_plan(plan, Console(file=buf, color_system=None))
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "…" not in text and "within budget" in text
+    # every character of the reason is on screen: only spaces and line breaks were added
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.rstrip().endswith(" why")), None)
+    if header is None:                      # narrow: the reasons are printed under the table
+        shown = text
+    else:                                   # the why column alone, its lines in order
+        col = lines[header].rindex(" why") + 1
+        shown = "".join(line[col:] for line in lines[header + 2:] if line.strip())
+    assert "".join(plan.layers[0].reasons[0].split()) in "".join(shown.split())

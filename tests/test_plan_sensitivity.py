@@ -65,3 +65,19 @@ def test_layer_noises_add_up_to_the_all_float8_model():
     measured = 10 * math.log10(float(ref.square().sum() / (got - ref).square().sum()))
     assert abs(predicted - measured) < 1.5, (predicted, measured)
     assert combined_sqnr([]) == math.inf
+
+
+def test_an_exact_layer_adds_no_noise_and_a_broken_one_all_of_it():
+    from ampaudit.planning.sensitivity import _noise
+
+    assert _noise(math.inf) == 0.0 and combined_sqnr([_noise(math.inf)]) == math.inf
+    assert _noise(math.nan) == math.inf and _noise(-math.inf) == math.inf
+    assert combined_sqnr([_noise(math.inf), _noise(30.0)]) == pytest.approx(30.0)
+    # the plan's summary says what its table says: exact model gradients are inf dB, not -inf
+    import ampaudit
+
+    torch.manual_seed(0)
+    plan = ampaudit.plan(nn.Sequential(nn.Linear(64, 64)), [((torch.randn(64, 64),), {})],
+                         recipes="rowwise_with_gw_hp", speed_model="off")
+    grads = plan.layers[0].metrics[plan.layers[0].choice]["model_grads"]["sqnr_db"]
+    assert plan.summary()["predicted_grad_sqnr_db"]["plan"] == pytest.approx(grads)

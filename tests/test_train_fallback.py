@@ -3,6 +3,7 @@ down projection walks recipes.toml's safer chain when its input flushes, the pla
 run keeps the switched plan bit-identically (in process and after SIGKILL), and the report says when and why."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -214,3 +215,27 @@ def test_a_switch_skips_a_safer_recipe_the_layer_does_not_fit():
     set_recipe(layer, "nvfp4", {"grad_input": "bfloat16"})
     assert _switch(layer, "fc", recipe_of(layer)) == ("float8_rowwise_with_gw_hp", {"grad_input": "bfloat16"})
     assert recipe_of(layer) == {"choice": "float8_rowwise_with_gw_hp", "gemms": {"grad_input": "bfloat16"}}
+
+
+def test_the_fallback_judges_by_the_budget_the_plan_chose_by(tmp_path):
+    """One budget per recipe: the fallback's shadow-check floor is the plan's forward budget of that recipe, from the
+    plan file where it records one (``plan --budget`` carries over), else from recipes.toml / settings.toml."""
+    from ampaudit.planning.choose import Budget
+    from ampaudit.planning.pick import recipe_budget_of
+    from ampaudit.planning.recipes import recipe_names
+    from ampaudit.runtime.fallback import Fallback, output_budget
+    from ampaudit.runtime.trace import TraceWriter
+
+    for name in recipe_names():
+        assert output_budget(name) == recipe_budget_of(name, Budget.default()).forward_db, name
+    assert output_budget("nvfp4") == 12.0 and output_budget("float8_rowwise") == 20.0
+    ok = {"sqnr_db": 25.0, "input": {"flushed_share": 0.0, "amax_growth": 1.0}}
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({"version": 2, "layers": [], "budgets": {
+        "float8_tensorwise": {"forward_db": 27.0, "backward_db": 20.0}}}))
+    fb = Fallback(TraceWriter(io.StringIO()), plan_file=plan_file)
+    assert reasons(ok, "float8_tensorwise", fb.budgets) == [("sqnr", 25.0, 27.0)]
+    assert reasons(ok, "float8_rowwise", fb.budgets) == []          # not in the plan's budgets: the table's 20
+    assert reasons(ok, "float8_tensorwise") == []
+    plan_file.write_text("[]")                                       # no budgets recorded: the table's
+    assert Fallback(TraceWriter(io.StringIO()), plan_file=plan_file).budgets is None

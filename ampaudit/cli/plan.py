@@ -14,6 +14,12 @@ from ampaudit.errors import UsageError
 FORMATS = ("table", "json")
 
 
+def _speed_models() -> str:
+    from ampaudit.planning.speed import float8_gpus
+
+    return ", ".join(float8_gpus())
+
+
 @app.command()
 @cli_errors
 def plan(
@@ -24,7 +30,7 @@ def plan(
     recipe: Annotated[Optional[str], typer.Option(help="One torchao float8 recipe (tensorwise, rowwise; auto: both), as --recipes with one name.", show_default=False)] = None,
     budget: Annotated[Optional[float], typer.Option(help="Minimum forward SQNR in dB against FP32 for the float8 recipes (default: rules/policy/settings.toml); mxfp8 and nvfp4 keep their own (recipes.toml).")] = None,
     budget_backward: Annotated[Optional[float], typer.Option(help="Minimum SQNR in dB of the input and weight gradients.")] = None,
-    speed_model: Annotated[str, typer.Option(help="GPU whose roofline predicts each GEMM in bf16 and each recipe (h100, h200, b200, or off); it also sets the default --recipes.")] = "h100",
+    speed_model: Annotated[str, typer.Option(help=f"GPU whose roofline predicts each GEMM in bf16 and each recipe ({_speed_models()}, or off; rules/policy/gpus.toml); it also sets the default --recipes, and a recipe it has no native kernels for is measured but never chosen.")] = "h100",
     tokens: Annotated[Optional[int], typer.Option(help="Rows (batch x sequence) of every GEMM for the speed model, instead of the calibration batches'.")] = None,
     pad: Annotated[bool, typer.Option("--pad", help="Count misaligned layers as padded to the fp8 multiple (ampaudit fix --pad pads without changing results).")] = False,
     calibrate_batches: Annotated[Optional[int], typer.Option(help="Batches of train_data() to measure on [default: 4 when the file has train_data(), else example_inputs()].")] = None,

@@ -102,17 +102,26 @@ def _budgets(names, default: Budget) -> dict:
 
 
 def recipe_speed(m: int, k: int, n: int, gpu: str, name: str) -> dict | None:
-    """``speed.linear_times`` of recipe ``name`` (tried under its full, then its torchao name); None where the
-    speed model does not know the recipe. Its other errors (an unknown gpu) propagate."""
-    from ampaudit.planning.speed import linear_times
+    """``speed.linear_times`` of recipe ``name`` on ``gpu``; None where the speed model has no cast kernels for
+    the recipe. UsageError where ``gpu`` has no native kernels for it (:func:`not_native_recipes` says which: those
+    are never chosen for that GPU, not chosen by accuracy alone) or is unknown."""
+    from ampaudit.planning.speed import cast_kernels, linear_times
 
-    for asked in dict.fromkeys((name, recipe_row(name).torchao)):
-        try:
-            return linear_times(m, k, n, gpu, recipe=asked)
-        except UsageError as exc:
-            if "recipe" not in str(exc):
-                raise
-    return None
+    try:
+        cast_kernels(name)
+    except UsageError:
+        return None
+    return linear_times(m, k, n, gpu, recipe=name)
+
+
+def not_native_recipes(names, speed_model: str) -> dict[str, str]:
+    """``{recipe: why}`` for the recipes of ``names`` the ``speed_model`` GPU has no native kernels for (none for
+    ``"off"``): a plan for that GPU measures them but never chooses them."""
+    from ampaudit.planning.speed import not_native
+
+    if speed_model == "off":
+        return {}
+    return {name: why for name in names if (why := not_native(speed_model, name))}
 
 
 def _torchao_choices(model: nn.Module, names: list[str], layers: list[LayerPlan]) -> dict[str, bool | None]:
@@ -138,13 +147,14 @@ def _torchao_choices(model: nn.Module, names: list[str], layers: list[LayerPlan]
 
 
 def _speeds(measures, names, speed_model: str, pad: bool) -> dict[str, dict[str, dict | None]]:
+    foreign = not_native_recipes(names, speed_model)
     out: dict[str, dict[str, dict | None]] = {}
     for m in measures:
         dims = {"in_features": m.in_features, "out_features": m.out_features}
         if pad:   # a padded layer's GEMMs run at the padded width
             dims.update(misaligned_dims(m))
         out[m.module] = {name: recipe_speed(m.tokens, dims["in_features"], dims["out_features"], speed_model, name)
-                         for name in names}
+                         for name in names if name not in foreign}
     return out
 
 
@@ -160,8 +170,9 @@ def _plan_for(model: nn.Module, batches: list, names: tuple[str, ...], *, loss_f
         if tokens:
             m.tokens = tokens
     speeds = _speeds(measures, names, speed_model, pad) if speed_model != "off" else {}
+    foreign = not_native_recipes(names, speed_model)
     layers = [pick_layer(m, names, budget=budget, speeds=speeds.get(m.module), pad=pad,
-                         flagged=(flagged or {}).get(m.module)) for m in measures]
+                         flagged=(flagged or {}).get(m.module), not_native=foreign) for m in measures]
     for layer in layers:
         bf16 = next((s["bfloat16"] for s in (speeds.get(layer.module) or {}).values() if s), None)
         layer.speed_bf16 = bf16
@@ -175,18 +186,13 @@ def _plan_for(model: nn.Module, batches: list, names: tuple[str, ...], *, loss_f
         if layer.module in spread:
             layer.metrics.setdefault(layer.choice, {})["model_grads"] = spread[layer.module]
     notes = [NOTES[n] for n in names if n in NOTES]
-    if speed_model != "off":
-        from ampaudit.planning.speed import load_gpus
-
-        cc = float(load_gpus()[speed_model]["compute_capability"])
-        foreign = [n for n in names if n not in native_recipes(cc)]
-        if foreign:
-            notes.append(f"{speed_model} (compute capability {cc:g}) has no native kernels for {', '.join(foreign)}: "
-                         "a plan choosing them is for a GPU that has them")
-        unknown = [n for n in names if all(not (s or {}).get(n) for s in speeds.values())]
-        if unknown and measures:
-            notes.append(f"speed model {speed_model} has no numbers for {', '.join(unknown)}: "
-                         "layers choosing among those go by accuracy alone")
+    if foreign:
+        notes.append(f"{speed_model} has no native kernels for {', '.join(foreign)}: measured, never chosen for it "
+                     "(--speed-model off, or a GPU that has them, to choose them)")
+    unknown = [n for n in names if n not in foreign and all(not (s or {}).get(n) for s in speeds.values())]
+    if speed_model != "off" and unknown and measures:
+        notes.append(f"speed model {speed_model} has no numbers for {', '.join(unknown)}: "
+                     "layers choosing among those go by accuracy alone")
     return Plan(names, speed_model, budget, layers, notes)
 
 
@@ -228,9 +234,9 @@ def _recipe_names(recipes, recipe: str | None) -> tuple[str, ...] | None:
 def _check_speed_model(speed_model: str) -> None:
     if speed_model == "off":
         return
-    from ampaudit.planning.speed import load_gpus, supports_float8
+    from ampaudit.planning.speed import float8_gpus, load_gpus
 
-    fp8_gpus = sorted(g for g in load_gpus() if supports_float8(g))
+    fp8_gpus = float8_gpus()
     if speed_model not in fp8_gpus:
         what = "has no float8 Tensor Cores" if speed_model in load_gpus() else "is not a known GPU"
         raise UsageError(f"speed model {speed_model!r} {what}", hint=f"use one of {', '.join(fp8_gpus)} or off")

@@ -13,7 +13,8 @@ grad_weight. float8's own form of it is the recipe float8_rowwise_with_gw_hp, me
 
 ``speeds[recipe]`` is ``speed.linear_times``'s dict for this layer (None: the speed model has no numbers for the
 recipe); a choice among recipes without speeds goes by accuracy alone (the largest worst-GEMM margin over the
-budget), and the reasons say so.
+budget), and the reasons say so. A recipe the target GPU has no native kernels for (``not_native``) is never chosen
+for it, whatever its accuracy: its reason says so, its metrics stay.
 """
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def _runner_up(v: Verdict, best: Verdict, speeds: dict, budget: Budget) -> str:
 
 
 def pick_layer(measure, names, *, budget: Budget, speeds: dict | None = None, pad: bool = False,
-               flagged: str | None = None) -> LayerPlan:
-    """The plan for one measured layer among recipes ``names``; see the module docstring."""
+               flagged: str | None = None, not_native: dict[str, str] | None = None) -> LayerPlan:
+    """The plan for one measured layer among recipes ``names``; see the module docstring. ``not_native``:
+    ``{recipe: why}`` the target GPU cannot run natively; measured, never chosen."""
     speeds = speeds or {}
     plan = LayerPlan(measure.module, "bfloat16", [], measure.in_features, measure.out_features, measure.tokens,
                      metrics=measure.metrics, stats={})
@@ -171,6 +173,8 @@ def pick_layer(measure, names, *, budget: Budget, speeds: dict | None = None, pa
     verdicts = _verdicts(measure, names, budget, pad)
     passing = []
     for v in verdicts:
+        if v.recipe in (not_native or {}):
+            v.failures.insert(0, not_native[v.recipe])
         speed = speeds.get(v.recipe)
         if v.ok and speed and speed["speedup"] < 1.0:
             # Few tokens or a narrow layer: the scale and cast passes cost more than the faster GEMMs save.

@@ -7,6 +7,7 @@ scales, which GPUs run it natively, and the next safer one.
     safer("nvfp4")                             # "mxfp8"
     choices()                                  # every recipe name, then "bfloat16", "float32"
     budget("nvfp4")                            # (12.0, 10.0): forward / backward SQNR budget in dB (None: [plan]'s)
+    format_budget("rowwise")                   # (20.0, 15.0): its own budget, else settings.toml [plan]'s
     normalise_plan(v1_plan)                    # a version-1 plan read as version 2
 
 The table lives in rules/policy/recipes.toml; nothing here names a recipe.
@@ -24,11 +25,11 @@ from ampaudit.policy import read_toml, rules_dir
 PLAN_VERSION = 2
 
 __all__ = ["PLAN_VERSION", "Recipe", "recipe", "recipe_names", "parse_recipes", "native_recipes", "safer", "choices",
-           "HIGH_PRECISION", "budget", "normalise_plan"]
+           "HIGH_PRECISION", "budget", "format_budget", "normalise_plan"]
 
 HIGH_PRECISION = ("bfloat16", "float32")
 _FIELDS = ("family", "torchao", "scaling", "block", "weight_block", "scale_dtype", "input", "weight",
-           "grad_output", "grad_weight", "min_compute_capability", "safer", "source", "budget_output_db")
+           "grad_output", "grad_weight", "min_compute_capability", "safer", "source")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,6 @@ class Recipe:
     min_compute_capability: float
     safer: str
     source: str
-    budget_output_db: float
 
     @property
     def low_grad_weight(self) -> bool:
@@ -143,6 +143,19 @@ def budget(name: str) -> tuple[float, float] | None:
     except (KeyError, TypeError, ValueError) as exc:
         raise RuleError(f"{path.name}: [budget.{full}] needs numeric forward_db and backward_db",
                         hint="fix the file") from exc
+
+
+def format_budget(name: str) -> tuple[float, float]:
+    """``(forward_db, backward_db)`` a layer in recipe ``name`` must keep: its [budget.<name>] table, else
+    settings.toml [plan]'s float8 budget. The one budget of a recipe: plan judges by it, the fallback's shadow
+    check by its forward_db."""
+    from ampaudit.policy import settings
+
+    own = budget(name)
+    if own is not None:
+        return own
+    cfg = settings()["plan"]
+    return float(cfg["budget_forward_db"]), float(cfg["budget_backward_db"])
 
 
 def normalise_plan(data: dict) -> dict:

@@ -64,7 +64,7 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
     for name in names:
         if not name:                 # the model is the Linear itself: run its swapped form as the model
             sqnr = error_metrics(ref, _grads(swapped(name, model), params, batch, loss_fn, rng))["sqnr_db"]
-            out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
+            out[name] = {"sqnr_db": sqnr, "noise": _noise(sqnr)}
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -75,8 +75,15 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
             sqnr = error_metrics(ref, _grads(model, params, batch, loss_fn, rng))["sqnr_db"]
         finally:
             setattr(parent, attr, original)
-        out[name] = {"sqnr_db": sqnr, "noise": 10 ** (-sqnr / 10) if math.isfinite(sqnr) else math.inf}
+        out[name] = {"sqnr_db": sqnr, "noise": _noise(sqnr)}
     return out                      # the RNG state is rng again: each _grads ran in its own fork_rng
+
+
+def _noise(sqnr: float) -> float:
+    """10^(-SQNR/10); an exact gradient (SQNR inf) adds no noise, a NaN or -inf one all of it."""
+    if math.isnan(sqnr) or sqnr == -math.inf:
+        return math.inf
+    return 10 ** (-sqnr / 10)
 
 
 def combined_sqnr(noises: Iterable[float]) -> float:

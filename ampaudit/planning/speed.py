@@ -37,8 +37,8 @@ from ampaudit.errors import RuleError, UsageError
 from ampaudit.planning import recipes as recipe_table
 from ampaudit.policy import read_toml, rules_dir
 
-__all__ = ["GPUS", "RECIPES", "Casts", "load_gpus", "efficiency", "min_float8_capability", "supports_float8",
-           "supports_recipe", "require_native", "attention_rates", "gemm_seconds", "cast_kernels", "cast_bytes",
+__all__ = ["GPUS", "RECIPES", "Casts", "load_gpus", "efficiency", "min_float8_capability", "supports_float8", "float8_gpus",
+           "supports_recipe", "not_native", "require_native", "attention_rates", "gemm_seconds", "cast_kernels", "cast_bytes",
            "rescale_kernels", "kernel_seconds", "linear_times"]
 
 BF16 = 2   # bytes per element
@@ -183,10 +183,25 @@ def supports_float8(gpu: str) -> bool:
     return _spec(gpu)["fp8"]
 
 
+def float8_gpus() -> tuple[str, ...]:
+    """The GPUs of rules/policy/gpus.toml with fp8 Tensor Cores, in file order: what ``--speed-model`` takes."""
+    return tuple(name for name, spec in load_gpus().items() if spec["fp8"])
+
+
 def supports_recipe(gpu: str, recipe: str) -> bool:
     """Whether ``gpu`` runs ``recipe`` (full or short name) with native kernels (recipes.toml's compute
     capability); UsageError for an unknown gpu or recipe."""
     return _spec(gpu)["compute_capability"] >= recipe_table.recipe(recipe).min_compute_capability
+
+
+def not_native(gpu: str, recipe: str) -> str | None:
+    """Why ``gpu`` cannot run ``recipe`` with native kernels ("h100 has no native mxfp8 kernels (compute
+    capability 9.0 < 10.0)"), None where it can; UsageError for an unknown gpu or recipe."""
+    if supports_recipe(gpu, recipe):
+        return None
+    name = recipe_table.recipe(recipe).name
+    have, need = _spec(gpu)["compute_capability"], recipe_table.recipe(name).min_compute_capability
+    return f"{gpu} has no native {name} kernels (compute capability {have:.1f} < {need:.1f})"
 
 
 def _rates(spec: dict, achievable: bool) -> tuple[float, float, float]:

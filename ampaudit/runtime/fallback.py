@@ -8,10 +8,13 @@ the next safer recipe (rules/policy/recipes.toml ``safer``, ending in bf16) from
     found = stats.end_step(step)                        # ampaudit.runtime.recipe_stats
     switched = fb.judge(step, found, stats.layers)      # [(module, from, to)]; each switched in place
     reasons(found["fc1"], "float8_tensorwise")          # [("input_flushed", 0.62, 0.5), ...]
+    output_budget("nvfp4", plan["budgets"])             # 12.0: the plan's forward budget of the recipe
 
 The budgets (a layer leaves its recipe at the first that is crossed, checked in this order):
 
-- ``sqnr``: its output's SQNR against its FP32 shadow below the recipe's ``budget_output_db`` (recipes.toml);
+- ``sqnr``: its output's SQNR against its FP32 shadow below its recipe's forward budget, the one ``ampaudit plan``
+  judged the layer by: the plan file's ``budgets[recipe].forward_db`` (so ``plan --budget`` carries over), else
+  recipes.toml ``[budget.<recipe>]`` / settings.toml ``[plan]`` (:func:`ampaudit.planning.recipes.format_budget`);
 - ``input_flushed`` / ``grad_output_flushed``: a flushed share past ``[plan] max_flushed_share`` (settings.toml);
 - ``input_amax_growth`` / ``grad_output_amax_growth``: amax past ``[fallback] max_amax_growth`` times its first
   sampled step's in its current recipe (growth since step 1 for the plan's recipe; after a switch, since the
@@ -34,7 +37,7 @@ from torch import nn
 
 from ampaudit.runtime.trace import TraceWriter
 
-__all__ = ["Fallback", "reasons"]
+__all__ = ["Fallback", "reasons", "output_budget"]
 
 
 def _limits() -> tuple[float, float]:
@@ -44,13 +47,23 @@ def _limits() -> tuple[float, float]:
     return float(s["plan"]["max_flushed_share"]), float(s["fallback"]["max_amax_growth"])
 
 
-def reasons(found: dict, recipe_name: str) -> list[tuple[str, float, float]]:
-    """Every budget a ``recipe_stats`` event of a layer in ``recipe_name`` crossed: ``(reason, value, limit)``."""
-    from ampaudit.planning.recipes import recipe
+def output_budget(recipe_name: str, budgets: dict | None = None) -> float:
+    """The least output SQNR (dB) on the shadow check a layer in ``recipe_name`` may have: ``budgets`` (a plan's
+    ``budgets``: recipe -> {forward_db, backward_db}) where it names the recipe, else the recipe table's."""
+    from ampaudit.planning.recipes import format_budget
 
+    row = (budgets or {}).get(recipe_name)
+    if isinstance(row, dict) and isinstance(row.get("forward_db"), (int, float)):
+        return float(row["forward_db"])
+    return format_budget(recipe_name)[0]
+
+
+def reasons(found: dict, recipe_name: str, budgets: dict | None = None) -> list[tuple[str, float, float]]:
+    """Every budget a ``recipe_stats`` event of a layer in ``recipe_name`` crossed: ``(reason, value, limit)``;
+    ``budgets``: the plan's (see :func:`output_budget`)."""
     max_flushed, max_growth = _limits()
     out = []
-    budget = recipe(recipe_name).budget_output_db
+    budget = output_budget(recipe_name, budgets)
     if found.get("sqnr_db") is not None and found["sqnr_db"] < budget:
         out.append(("sqnr", found["sqnr_db"], budget))
     for role in ("input", "grad_output"):
@@ -101,6 +114,17 @@ class Fallback:
         self.plan_file = Path(plan_file) if plan_file is not None else None
         self.on_switch = on_switch
         self.switched: list[dict] = []
+        self.budgets = self._plan_budgets()
+
+    def _plan_budgets(self) -> dict | None:
+        """The budgets the plan was made with (``ampaudit plan`` writes them), None without a readable plan."""
+        if self.plan_file is None:
+            return None
+        try:
+            budgets = json.loads(self.plan_file.read_text()).get("budgets")
+        except (OSError, ValueError, AttributeError):
+            return None        # apply_plan already read and judged the plan; the table's budgets apply
+        return budgets if isinstance(budgets, dict) else None
 
     def judge(self, step: int | None, found: dict[str, dict], layers: dict[str, nn.Module]) -> list[tuple]:
         """Switch every layer of ``found`` past a budget to its recipe's ``safer``; returns (module, from, to)."""
@@ -108,7 +132,7 @@ class Fallback:
 
         done = []
         for name, event in found.items():
-            crossed = reasons(event, event["recipe"])
+            crossed = reasons(event, event["recipe"], self.budgets)
             mod = layers.get(name)
             if not crossed or mod is None:
                 continue

@@ -12,6 +12,10 @@ import torch, torch.nn as nn, torch.nn.functional as F
 EXPECT = {"layer": "proj", "recipes": "tensorwise,rowwise,mxfp8", "choice": "mxfp8", "gemms": None,
           "fails": ["float8_tensorwise", "float8_rowwise"], "others": ["head"]}
 
+# What training must keep as planted (bench/fp8_plan_planted.py zeroes their gradients): Adam moves every weight by
+# about lr a step, which undoes the inverse gain's 2^-12 weights at once. Name -> index of the fixed entries (None: all).
+FIXED = {"norm.weight": None, "proj.weight": None}
+
 DIM, SEQ, OUT, GROUP = 256, 64, 64, 32
 EXPONENTS = torch.tensor([-12.0, 12.0, -8.0, 8.0, -4.0, 4.0, 0.0, -10.0])     # one per 32-channel group
 
