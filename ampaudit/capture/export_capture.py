@@ -80,6 +80,23 @@ def _export_loud(model: nn.Module, args: tuple, kwargs: dict, autocast_dtype: to
         return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
 
 
+def data_dependent(exc: BaseException) -> bool:
+    """Whether export failed on control flow or an output size that depends on tensor values (detection models'
+    NMS). The dtypes do not change that, so an export without autocast would fail the same way, a second
+    full trace later (as long as the first: half of a detection model's check)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:     # export wraps some of them (a UserError from a guard)
+        if isinstance(exc, kinds):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, *,
                    autocast_dtype: torch.dtype | None = None) -> Capture:
     """torch.export.export(strict=False), unlifted so parameters are get_attr nodes with their original names.
@@ -90,8 +107,8 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *,
     try:
         try:
             ep = _export(model, args, kwargs, autocast_dtype)
-        except Exception:
-            if autocast_dtype is None:
+        except Exception as first:
+            if autocast_dtype is None or data_dependent(first):
                 raise
             ep = _export(model, args, kwargs, None)
         gm = ep.module()
