@@ -89,11 +89,11 @@ def data_dependent(exc: BaseException) -> bool:
 
     kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:     # export wraps some of them (a UserError from a guard)
+    while exc is not None and id(exc) not in seen:     # export re-raises some of them ``from`` the guard's error
         if isinstance(exc, kinds):
             return True
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__     # not __context__: an error raised while one was being handled is its own
     return False
 
 
