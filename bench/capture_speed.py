@@ -190,6 +190,14 @@ def compare(rows: list[dict], before_path: Path) -> list[str]:
     return diffs
 
 
+def _write(args, rows: list[dict]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.findings:
+        args.findings.write_text(json.dumps([{k: r.get(k) for k in ("family", "model", "capture", "findings")}
+                                             for r in rows], indent=1))
+
+
 def _specs(args) -> list[dict]:
     from coverage_models import list_models
 
@@ -224,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = (f"{row['capture']:8s} check {row['check_s']:6.2f} s  {row['baseline']} {row['baseline_s']:6.2f} s  "
                  f"ratio {row['ratio']:.2f}x" if "check_s" in row else row.get("error") or row.get("capture"))
         print(f"{spec['family']:16s} {spec['name']:40s} {shown}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    if args.findings:
-        args.findings.write_text(json.dumps([{k: r.get(k) for k in ("family", "model", "capture", "findings")}
-                                             for r in rows], indent=1))
+        _write(args, rows)      # after every model: a long run stopped early keeps what it measured
     if args.markdown:
         print("\n".join(family_table(rows)))
     status = 0
