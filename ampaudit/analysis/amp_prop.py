@@ -114,6 +114,7 @@ class AmpProp(fx.Interpreter):
         self.autocast_stack: list[bool] = []     # enabled flags of recorded autocast regions, innermost last
         self.specialize = specialize
         self.notes: list[str] = []               # what propagation could not look into
+        self.probe_memo: dict = {}              # op signature -> the mixed-dtype probe's verdict
 
     # -- entry point -----------------------------------------------------------------------------------------
     def propagate(self, *args, **kwargs) -> fx.GraphModule:

@@ -92,6 +92,34 @@ def raises_at_autocast_dtypes(interp, n: fx.Node, category: str | None) -> tuple
         return v
 
     args, kwargs = fx.node.map_arg(n.args, as_amp), fx.node.map_arg(n.kwargs, as_amp)
+    memo, key = getattr(interp, "probe_memo", None), _signature(n, args, kwargs)
+    if memo is None or key is None:
+        return _probe(interp, n, args, kwargs, dtypes)
+    if key not in memo:
+        memo[key] = _probe(interp, n, args, kwargs, dtypes)
+    found = memo[key]
+    return None if found is None else (found[0], list(found[1]))
+
+
+def _signature(n: fx.Node, args, kwargs) -> tuple | None:
+    """What a torch op's verdict depends on: the op, and its inputs' shapes, strides and dtypes (or values);
+    None for modules and the user's functions, whose verdict may hang on more. Blocks repeat the same op on the
+    same shapes (ResNet's stages, a detection head per level): each is probed once."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    parts = []
+    for v in tree_flatten((args, kwargs))[0]:
+        if isinstance(v, torch.Tensor):
+            parts.append((tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type))
+        elif isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                            torch.memory_format)):
+            parts.append((type(v).__name__, v))
+        else:
+            return None
+    return (n.target, tree_flatten((args, kwargs))[1], tuple(parts))
+
+
+def _probe(interp, n: fx.Node, args, kwargs, dtypes: set) -> tuple[str, list[torch.dtype]] | None:
     if _error(interp, n, args, kwargs) is None:
         return None
     # Confirmed under the target's autocast: a composite op is cast in the ops it decomposes into (einsum's

@@ -82,6 +82,23 @@ def _export_loud(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | N
         return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
 
 
+def data_dependent(exc: BaseException) -> bool:
+    """Whether export failed on control flow or an output size that depends on tensor values (detection models'
+    NMS). The dtypes do not change that, so an export without autocast would fail the same way, a second
+    full trace later (as long as the first: half of a detection model's check)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:     # export re-raises some of them ``from`` the guard's error
+        if isinstance(exc, kinds):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__     # not __context__: an error raised while one was being handled is its own
+    return False
+
+
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None) -> Capture:
     """torch.export.export(strict=False), unlifted so parameters are get_attr nodes with their original names.
 
@@ -92,8 +109,8 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Polic
     try:
         try:
             ep = _export(model, args, kwargs, policy)
-        except Exception:
-            if policy is None:
+        except Exception as first:
+            if policy is None or data_dependent(first):
                 raise
             ep = _export(model, args, kwargs, None)
         gm = ep.module()

@@ -1,0 +1,128 @@
+"""The capture fallbacks do no work twice: a data-dependent export is tried once, a repeated op is probed once."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ampaudit
+from ampaudit.analysis import mixed_dtypes
+from ampaudit.capture import export_capture
+
+
+class NmsLike(nn.Module):
+    """Keeps the rows whose score passes a threshold, as detection's NMS does: the output size depends on values,
+    so export cannot follow it, whatever the dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        keep = h[:, 0] > 0
+        if keep.sum() == 0:
+            keep = torch.ones_like(keep)
+        return self.head(h[keep]).softmax(-1)
+
+
+class CrashesUnderAutocast(nn.Module):
+    """Export fails only under autocast (a low-dtype source scattered into fp32), so the fp32 retry is needed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.dtype == torch.float32:
+            return h * 2
+        return torch.zeros(4, 8).scatter_add(0, torch.zeros(4, 8, dtype=torch.long), h)
+
+
+def _count_exports(monkeypatch) -> list:
+    calls = []
+    real = export_capture._export_loud
+
+    def counted(model, args, kwargs, policy):
+        calls.append(None if policy is None else policy.low)
+        return real(model, args, kwargs, policy)
+
+    monkeypatch.setattr(export_capture, "_export_loud", counted)
+    return calls
+
+
+def test_data_dependent_export_is_not_retried_without_autocast(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    report = ampaudit.check(NmsLike(), torch.randn(6, 8), device="cpu", dtype="bfloat16")
+    assert report.capture == "dispatch"
+    assert calls == [torch.bfloat16]          # one trace: the fp32 one would stop at the same guard
+    assert any("export was not used" in n and "data-dependent" in n for n in report.notes)
+    assert {f.module for f in report.findings if f.rule == "AMP201"}   # the softmax is still audited
+
+
+def test_export_failing_only_under_autocast_is_retried_in_fp32(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    report = ampaudit.check(CrashesUnderAutocast(), torch.randn(4, 8), device="cpu", dtype="bfloat16")
+    assert calls == [torch.bfloat16, None]
+    assert report.capture == "export"
+
+
+def test_data_dependent_sees_through_wrapped_causes():
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        try:
+            raise GuardOnDataDependentSymNode("Could not guard on data-dependent expression", None)
+        except RuntimeError as inner:
+            raise ValueError("export failed") from inner
+    except ValueError as outer:
+        assert export_capture.data_dependent(outer)
+    assert not export_capture.data_dependent(RuntimeError("mat1 and mat2 must have the same dtype"))
+
+
+class RepeatedScatter(nn.Module):
+    """The same mixed-dtype scatter_add (a low-dtype source into an fp32 buffer) in three blocks of one shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        out = []
+        for block in self.blocks:
+            h = block(x)
+            out.append(torch.zeros(4, 16).scatter_add(0, torch.zeros(4, 16, dtype=torch.long), h))
+        return torch.stack(out)
+
+
+def test_repeated_op_is_probed_once_and_flagged_at_every_call(monkeypatch):
+    probes = []
+    real = mixed_dtypes._probe
+
+    def counted(interp, n, args, kwargs, dtypes):
+        probes.append(n.name)
+        return real(interp, n, args, kwargs, dtypes)
+
+    monkeypatch.setattr(mixed_dtypes, "_probe", counted)
+    report = ampaudit.check(RepeatedScatter(), torch.randn(4, 16), device="cpu", dtype="bfloat16",
+                            capture_mode="export")
+    flagged = [f for f in report.findings if f.rule == "AMP207"]
+    assert len(flagged) == 3 and len({f.node for f in flagged}) == 3
+    assert len(probes) == 1
+
+
+def test_probe_signature_tells_shapes_and_scalars_apart():
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.add.Tensor, (x, x))
+    a, b = torch.zeros(2, 3), torch.zeros(3, 2)
+    assert mixed_dtypes._signature(node, (a, a), {}) == mixed_dtypes._signature(node, (a.clone(), a), {})
+    assert mixed_dtypes._signature(node, (a, a), {}) != mixed_dtypes._signature(node, (b, b), {})
+    assert mixed_dtypes._signature(node, (a, 1.0), {}) != mixed_dtypes._signature(node, (a, 2.0), {})
+    assert mixed_dtypes._signature(node, (a, [a]), {}) != mixed_dtypes._signature(node, ([a], a), {})
+    assert mixed_dtypes._signature(node, (a, object()), {}) is None   # a value it cannot compare: not memoised
+    user = graph.call_function(lambda t: t, (x,))
+    assert mixed_dtypes._signature(user, (a,), {}) is None        # the user's own function: never memoised
