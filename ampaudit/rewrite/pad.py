@@ -76,11 +76,12 @@ def _shape(node) -> tuple | None:
     return getattr(node.meta.get(AMP_KEY), "shape", None) if isinstance(node, fx.Node) else None
 
 
-def _targets(findings: list[Finding]) -> dict[str, dict[str, int]]:
-    """module path -> {dim name: padded size} from the alignment findings on call_module nodes."""
+def targets(findings: list[Finding], *, need_node: bool = True) -> dict[str, dict[str, int]]:
+    """module path -> {dim name: padded size} from the alignment findings (on call_module nodes unless
+    ``need_node=False``: the module-level padding needs no graph)."""
     out: dict[str, dict[str, int]] = {}
     for f in findings:
-        if f.autofix.get("kind") != "pad" or f.node is None:
+        if f.autofix.get("kind") != "pad" or (need_node and f.node is None):
             continue
         dim, padded = f.details.get("dim"), f.details.get("padded")
         if "dims" in f.autofix and dim not in f.autofix["dims"]:
@@ -179,18 +180,18 @@ def _tokens(shape) -> int | None:
 
 def pad_dims(gm: fx.GraphModule, root: nn.Module, findings: list[Finding]) -> tuple[bool, list[PadChange]]:
     """Pad the layers the alignment findings name; rewrites ``gm`` and ``root``'s parameters in place."""
-    targets = _targets(findings)
-    if not targets:
+    wanted = targets(findings)
+    if not wanted:
         return False, []
     p = _Padder(gm, root)
     changes: dict[str, PadChange] = {}
-    order = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in targets]
+    order = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in wanted]
     for node in order:
         path = node.target
         if path in changes or len(p.calls.get(path, [])) != 1:
             continue  # a module called twice would need every call site checked; left as it is
         m = root.get_submodule(path)
-        want = targets[path]
+        want = wanted[path]
         p.current = path
         if isinstance(m, nn.Linear):
             changes[path] = _pad_linear(p, node, m, path, want)

@@ -118,10 +118,24 @@ def untraceable(text: str, module: str | None) -> str:
 
 
 def route_untraceable(findings: list[Finding]) -> None:
-    """Each finding's fix as :func:`untraceable` words it."""
+    """Each finding's fix as :func:`untraceable` words it, but for those ``fix -o`` / ``fix --pad`` still fix on
+    such a model at module granularity (:func:`module_fixable`), whose commands run as recommended."""
     for f in findings:
-        if f.fix:
+        if f.fix and not module_fixable(f):
             f.fix = untraceable(f.fix, f.module)
+
+
+def module_fixable(f: Finding) -> bool:
+    """True when the fix of a model torch.fx cannot trace (ampaudit.rewrite.module_fix) covers ``f``: an island
+    finding in a submodule (that module runs in fp32), a pad finding on a layer kind it pads
+    (rules/policy/settings.toml [recommend.module_fix])."""
+    from ampaudit.policy import settings
+
+    kind = f.autofix.get("kind")
+    if kind == "island":
+        return bool(f.module)
+    pads = settings().get("recommend", {}).get("module_fix", {}).get("pad_ops", [])
+    return kind == "pad" and bool(f.module) and f.op in pads
 
 
 def relative_location(f: Finding, base: Path) -> None:
