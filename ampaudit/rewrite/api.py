@@ -7,6 +7,10 @@
 The input model is left untouched: the fix works on a deep copy. The returned module is that copy with a
 rewritten ``forward`` (class ``Fixed<Class>``): same parameter and buffer names, same ``state_dict`` keys, so
 existing checkpoints load; with autocast off it computes exactly what the original computes.
+
+A model torch.fx cannot trace keeps its own forward and is fixed on its module tree instead
+(:mod:`ampaudit.rewrite.module_fix`: modules kept in fp32, layers padded by hooks), verified the same way:
+``result.form == "modules"``, ``result.gm`` is None and ``result.plan`` holds what was applied.
 """
 from __future__ import annotations
 

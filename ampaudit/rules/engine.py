@@ -111,9 +111,12 @@ def untraceable(text: str, module: str | None) -> str:
     refuse such a model, replaced by what runs on it (rules/policy/settings.toml [recommend.untraceable])."""
     from ampaudit.policy import settings
 
-    name = module or "<module>"
-    for phrase, instead in settings().get("recommend", {}).get("untraceable", {}).items():
-        text = text.replace(phrase.format(module=name), instead.format(module=name))
+    name = "<module>" if module is None else module       # keep_fp32(model, ['']) is the whole model
+    tables = settings().get("recommend", {})
+    # The top module's own ops ("" names it; None: not known) are better fixed in the source than all in fp32.
+    for table in (["untraceable_top"] if module == "" else []) + ["untraceable"]:
+        for phrase, instead in tables.get(table, {}).items():
+            text = text.replace(phrase.format(module=name), instead.format(module=name))
     return text
 
 
