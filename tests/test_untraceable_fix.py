@@ -63,11 +63,48 @@ CASES = [  # target, target options, the command the report must recommend, capt
 
 @pytest.mark.parametrize("target, target_opts, expected, capture", CASES)
 def test_every_command_a_report_recommends_runs(target, target_opts, expected, capture, tmp_path):
+    assert expected in run_recommendations(target, target_opts, capture, tmp_path)
+
+
+TOP_EXP = """import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("tri", torch.tril(torch.ones(8, 8)))
+
+    def forward(self, x):
+        t = x.size(1)                      # a slice by it: torch.fx cannot trace this
+        return torch.exp(self.fc(x)[:, :t] * self.tri[:t, :t].sum())
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 16),)
+"""
+
+
+def test_a_hazard_in_the_top_forward_of_an_export_captured_model_recommends_the_source_fix(tmp_path):
+    # Kept in fp32 at module granularity it would be the whole model: the source fix edits the line instead.
+    target = tmp_path / "top.py"
+    target.write_text(TOP_EXP)
+    cmds = run_recommendations(str(target), ["--device", "cpu", "--dtype", "float16"], "export", tmp_path)
+    assert cmds == {("fix", "--diff")}, cmds
+
+
+def run_recommendations(target, target_opts, capture, tmp_path):
+    """check ``target``, then run every command and keep_fp32 call its report recommends; the commands."""
     res = runner.invoke(app, ["check", target, *target_opts, "-f", "json"])
     report = json.loads(res.stdout)
     assert report["capture"] == capture
     cmds, calls = recommendations([f["fix"] for f in report["findings"]] + report["notes"])
-    assert expected in cmds, cmds
     fix_opts = [o for o in target_opts if o != "--calibrate"]
     for i, (sub, opts) in enumerate(sorted(cmds)):
         if sub == "fix":
@@ -78,6 +115,7 @@ def test_every_command_a_report_recommends_runs(target, target_opts, expected, c
     for call in calls:                    # each eager call named runs on the model the file builds
         model = load_target(target).model
         assert eval(call, {"ampaudit": ampaudit, "model": model}) is model
+    return cmds
 
 
 def test_fix_on_an_export_captured_model_pads_on_its_module_tree(tmp_path):
@@ -132,12 +170,13 @@ def test_no_rule_recommends_what_does_not_run_on_an_untraceable_model():
     for rule in load_rules([]):
         texts = [rule.fix] + [v.get("fix") for v in rule.params.get("variants", {}).values()]
         for text in filter(None, texts):
-            routed = untraceable(text.replace("{module}", "blocks.0.attn"), "blocks.0.attn")
-            cmds, calls = recommendations([routed])
-            # Where the module-level fix does not cover a finding, fix runs on it only as the source fix.
-            assert all(opts in ("--diff", "--write") for sub, opts in cmds if sub == "fix"), (rule.id, routed)
-            for call in calls:           # the eager call each names runs on any model
-                eval(call.replace("'blocks.0.attn'", "''"), {"ampaudit": ampaudit, "model": model})
+            for module in ("blocks.0.attn", ""):          # a submodule, the top module's own forward
+                routed = untraceable(text.replace("{module}", module), module)
+                cmds, calls = recommendations([routed])
+                # Where the module-level fix does not cover a finding, fix runs on it only as the source fix.
+                assert all(opts in ("--diff", "--write") for sub, opts in cmds if sub == "fix"), (rule.id, routed)
+                for call in calls:           # the eager call each names runs on any model
+                    eval(call.replace("'blocks.0.attn'", "''"), {"ampaudit": ampaudit, "model": model})
 
 
 def test_which_findings_keep_the_graph_rewrite_commands():
@@ -150,3 +189,39 @@ def test_which_findings_keep_the_graph_rewrite_commands():
     assert not module_fixable(finding("island", "", "exp"))               # the whole model would be the island
     assert module_fixable(finding("pad", "lm_head", "linear")) and module_fixable(finding("pad", "wte", "embedding"))
     assert not module_fixable(finding("pad", "conv", "conv2d"))
+
+
+NORMALIZE = """import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("tri", torch.tril(torch.ones(8, 8)))
+
+    def forward(self, x):
+        t = x.size(1)                      # a slice by it: torch.fx cannot trace this
+        return F.normalize(self.fc(x) * self.tri[:t, :t].sum(), dim=-1)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(2, 8, 16),)
+"""
+
+
+def test_the_source_fix_maps_an_export_captured_default_eps_to_its_call(tmp_path):
+    # torch.export decomposes F.normalize: its 1e-12 meets an aten clamp_min the line does not call.
+    target = tmp_path / "normalize.py"
+    target.write_text(NORMALIZE)
+    res = runner.invoke(app, ["fix", str(target), "--diff", "--device", "cpu", "--dtype", "float16"])
+    assert res.exit_code == 1, res.output                     # 1: there is a diff
+    assert "+        return F.normalize((self.fc(x) * self.tri[:t, :t].sum()).float(), dim=-1)" in res.output
+    assert "AMP402" in res.output and "not fixed" not in res.output
