@@ -154,11 +154,20 @@ class _ExportOnly(torch.nn.Module):
         return self.attn(self.proj(x))
 
 
-def test_fix_islands_on_an_export_captured_model_are_modules_kept_in_fp32():
+class _DispatchOnly(_ExportOnly):
+    def forward(self, x):
+        if x.sum() > -1e6:               # data-dependent: neither fx nor export capture it
+            return self.attn(self.proj(x))
+        return x
+
+
+@pytest.mark.parametrize("cls, capture", [(_ExportOnly, "export"), (_DispatchOnly, "dispatch")])
+def test_fix_islands_on_an_untraceable_model_are_modules_kept_in_fp32(cls, capture):
     torch.manual_seed(0)
-    model, x = _ExportOnly(), torch.randn(2, 8, 8)
+    model, x = cls(), torch.randn(2, 8, 8)
     result = ampaudit.fix(model, x, device="cpu", dtype="float16")
     assert result.form == "modules" and result.plan.keep == ["attn"]
+    assert result.report.before.capture == capture
     v = result.report.verification
     assert v.before.error and v.after.error is None and v.fp32_bitwise and not v.remaining
     assert getattr(result.module.attn, "_ampaudit_keep_fp32", False) and not hasattr(model.attn, "_ampaudit_keep_fp32")
