@@ -197,7 +197,8 @@ def test_which_findings_keep_the_graph_rewrite_commands():
     assert module_fixable(finding("island", "h.0.attn", "masked_fill"))
     assert not module_fixable(finding("island", "", "exp"))               # the whole model would be the island
     assert module_fixable(finding("pad", "lm_head", "linear")) and module_fixable(finding("pad", "wte", "embedding"))
-    assert not module_fixable(finding("pad", "conv", "conv2d"))
+    assert module_fixable(finding("pad", "conv", "conv2d"))
+    assert not module_fixable(finding("pad", "up", "conv_transpose2d"))
 
 
 NORMALIZE = """import torch
@@ -234,3 +235,30 @@ def test_the_source_fix_maps_an_export_captured_default_eps_to_its_call(tmp_path
     assert res.exit_code == 1, res.output                     # 1: there is a diff
     assert "+        return F.normalize((self.fc(x) * self.tri[:t, :t].sum()).float(), dim=-1)" in res.output
     assert "AMP402" in res.output and "not fixed" not in res.output
+
+
+class _ConvExportOnly(torch.nn.Module):
+    """36-channel convs (AMP102) behind a slice by x.size(): torch.fx cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 36, 3, padding=1)
+        self.body = torch.nn.Conv2d(36, 36, 3, padding=1)
+        self.register_buffer("scale", torch.ones(64))
+
+    def forward(self, x):
+        return self.body(torch.relu(self.stem(x))) * self.scale[: x.size(-1)]
+
+
+def test_fix_pads_convs_of_an_export_captured_model_by_hooks():
+    torch.manual_seed(0)
+    model, x = _ConvExportOnly(), torch.randn(2, 3, 8, 8)
+    result = ampaudit.fix(model, x, device="cpu", dtype="bfloat16", pad=True)
+    assert result.form == "modules" and result.report.before.capture == "export"
+    assert result.plan.pad["body"] == {"in_channels": 40, "out_channels": 40}
+    assert tuple(result.module.body.weight.shape) == (40, 40, 3, 3)
+    assert result.report.verification.fp32_ok and not result.report.verification.remaining
+    # The user's shapes in state_dict: it loads into the original class, and the outputs are the original's.
+    fresh = _ConvExportOnly()
+    fresh.load_state_dict(result.module.state_dict())
+    assert torch.allclose(fresh(x), result.module(x), rtol=1e-6, atol=1e-6)

@@ -10,9 +10,10 @@ the dispatch recording): the same findings, fixed on the module tree instead of 
   (the module's GEMMs run in fp32 too), so a module and its ancestor are never both listed: the ancestor wins.
   The top module's own ops cannot be one (that would be the whole model in fp32): those stay unfixed.
 - Padding needs no graph at all: a misaligned Linear is padded by :func:`ampaudit.rewrite.pad.pad_linear` (zero
-  rows and columns, the input padded by a pre-hook, the output sliced back by a hook: outputs unchanged), an
-  Embedding's ``num_embeddings`` by zero rows no id reads. A Linear whose weight is tied to an Embedding (nanoGPT's
-  ``wte.weight = lm_head.weight``) stays tied: the Embedding gets the same padded Parameter. ``state_dict()`` keeps
+  rows and columns, the input padded by a pre-hook, the output sliced back by a hook: outputs unchanged), a Conv
+  (groups 1) the same way by :func:`ampaudit.rewrite.pad.pad_conv`, an Embedding's ``num_embeddings`` by zero
+  rows no id reads. A Linear whose weight is tied to an Embedding (nanoGPT's ``wte.weight = lm_head.weight``)
+  stays tied: the Embedding gets the same padded Parameter. ``state_dict()`` keeps
   the user's shapes, so weights saved from the fixed model load into the original class.
 """
 from __future__ import annotations
@@ -26,7 +27,10 @@ from torch import nn
 from ampaudit.findings import Finding
 from ampaudit.rewrite.flags import island_findings
 from ampaudit.rewrite.island_insert import IslandChange
-from ampaudit.rewrite.pad import PadChange, _grow, _unpad_state, pad_checkpoint, pad_linear, targets
+from ampaudit.rewrite.pad import PadChange, _grow, _unpad_state, pad_checkpoint, pad_conv, pad_linear, targets
+
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 @dataclass
@@ -106,8 +110,11 @@ def _unpaddable(root: nn.Module, m: nn.Module | None, dims: dict[str, int]) -> s
         return None
     if isinstance(m, nn.Embedding) and "num_embeddings" in dims:
         return None if not _tied(root, m.weight, m) else "its weight is tied to a layer not padded with it"
+    if isinstance(m, CONVS):
+        return None if m.groups == 1 and not _tied(root, m.weight, m) else \
+            "a grouped or weight-sharing Conv would need every group or sharer padded with it"
     kind = type(m).__name__ if m is not None else "no such module"
-    return f"the module-level padding covers Linear and Embedding layers, not {kind}"
+    return f"the module-level padding covers Linear, Embedding and Conv layers, not {kind}"
 
 
 def apply_module_fix(model: nn.Module, keep: list[str], pad: dict[str, dict[str, int]]) -> list[PadChange]:
@@ -117,8 +124,12 @@ def apply_module_fix(model: nn.Module, keep: list[str], pad: dict[str, dict[str,
     changes = []
     for path, dims in pad.items():
         m = model.get_submodule(path)
-        changes.append(_pad_embedding(m, dims["num_embeddings"], path) if isinstance(m, nn.Embedding)
-                       else _pad_linear_tied(model, m, dims, path))
+        if isinstance(m, nn.Embedding):
+            changes.append(_pad_embedding(m, dims["num_embeddings"], path))
+        elif isinstance(m, CONVS):
+            changes.append(pad_conv(m, dims, name=path))
+        else:
+            changes.append(_pad_linear_tied(model, m, dims, path))
     fp32_modules(model, keep)
     return changes
 

@@ -334,6 +334,39 @@ def pad_linear(module: nn.Linear, dims: dict[str, int], name: str = "") -> PadCh
     return change
 
 
+def pad_conv(module: nn.Conv1d, dims: dict[str, int], name: str = "") -> PadChange:
+    """Pad a Conv1d/2d/3d with ``groups == 1`` in place to ``dims`` ({"in_channels": I, "out_channels": O}), as
+    :func:`pad_linear` pads a Linear: zero input channels (the input padded by a pre-hook) and zero filters (the
+    output sliced back by a hook); ``state_dict()`` keeps the unpadded shapes."""
+    cin, cout = module.in_channels, module.out_channels
+    new_in, new_out = max(dims.get("in_channels", cin), cin), max(dims.get("out_channels", cout), cout)
+    kvol = math.prod(module.kernel_size)
+    change = PadChange(name, type(module).__name__, {}, f"M={cout} K={cin}x{kvol}", f"M={new_out} K={new_in}x{kvol}")
+    weight = module.weight
+    spatial = len(module.kernel_size)
+    if new_in != cin:
+        weight = _grow(weight, 1, new_in)
+        change.dims["in_channels"], change.input_pads = (cin, new_in), 1
+        pad = (0, 0) * spatial + (0, new_in - cin)
+        module.register_forward_pre_hook(lambda mod, args: (F.pad(args[0], pad), *args[1:]))
+    if new_out != cout:
+        weight = _grow(weight, 0, new_out)
+        if module.bias is not None:
+            module.bias = nn.Parameter(_grow(module.bias, 0, new_out), requires_grad=module.bias.requires_grad)
+        change.dims["out_channels"], change.slices = (cout, new_out), 1
+        module.register_forward_hook(lambda mod, args, out: out[:, :cout])
+    if not change.dims:
+        return change
+    user = {"weight": tuple(module.weight.shape), "bias": (cout,)}
+    module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+    module.in_channels, module.out_channels = new_in, new_out
+    shapes = {"weight": tuple(weight.shape), **({"bias": (new_out,)} if module.bias is not None else {})}
+    change.param_shapes, change.module_attrs = shapes, {"in_channels": new_in, "out_channels": new_out}
+    module.register_state_dict_post_hook(functools.partial(_unpad_state, user))
+    module._register_load_state_dict_pre_hook(functools.partial(pad_checkpoint, shapes))
+    return change
+
+
 def _unpad_state(shapes: dict[str, tuple[int, ...]], module, state_dict, prefix, local_metadata) -> None:
     """state_dict post-hook of ``pad_linear``: the padded tensors cut back to the user's shapes (copies, so a
     saved file holds only those)."""
