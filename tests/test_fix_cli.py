@@ -70,11 +70,17 @@ def test_fix_refuses_foreign_outdir(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-def test_fix_untraceable_is_one_line(tmp_path):
-    res = _run("fix", str(ASSETS / "bad" / "untraceable.py"), "-o", str(tmp_path / "o"), "--device", "cpu")
-    assert res.exit_code == 2
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "keep_fp32" in lines[0]
+def test_fix_untraceable_writes_the_module_tree_form(tmp_path):
+    res = _run("fix", str(ASSETS / "bad" / "untraceable.py"), "-o", str(tmp_path / "o"), "--device", "cpu",
+               "--dtype", "bfloat16")
+    assert res.exit_code == 0, res.output
+    assert "form: fixed on the module tree" in res.output and "captured by dispatch" in res.output
+    meta = json.loads((tmp_path / "o" / "fix.json").read_text())
+    assert meta["complete"] and meta["report"]["form"] == "modules"
+    fixed = load_target(str(tmp_path / "o" / "model.py"))
+    original = load_target(str(ASSETS / "bad" / "untraceable.py"))
+    original.model.load_state_dict(torch.load(tmp_path / "o" / "weights.pt", weights_only=True))
+    assert torch.equal(fixed.model(*fixed.args), original.model(*fixed.args))
 
 
 def test_fix_pad_with_input_spec(tmp_path):

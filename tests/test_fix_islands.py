@@ -119,7 +119,19 @@ def test_cuda_target_islands_also_turn_off_cpu_autocast():
     assert result.report.verification.after.error is None
 
 
-def test_untraceable_model_points_to_keep_fp32():
+def test_untraceable_model_is_fixed_on_its_module_tree():
+    t = load_target(str(ASSETS / "bad" / "untraceable.py"))       # data-dependent control flow: dispatch capture
+    result = fix(t.model, *t.args, device="cpu", dtype="bfloat16")
+    assert result.form == "modules" and result.gm is None and result.report.verification.fp32_bitwise
+    assert "captured by dispatch" in result.report.to_text()
+
+
+def test_a_model_no_capture_takes_points_to_keep_fp32(monkeypatch):
+    import ampaudit.api
+
+    def refuse(*args, **kwargs):
+        raise CaptureError("no capture ran", hint="")
+    monkeypatch.setattr(ampaudit.api, "capture_any", refuse)
     t = load_target(str(ASSETS / "bad" / "untraceable.py"))
     with pytest.raises(CaptureError) as info:
         fix(t.model, *t.args, device="cpu")

@@ -17,7 +17,7 @@ FORMATS = ("text", "json")
 @cli_errors
 def fix(
     target: Annotated[str, typer.Argument(help="Model file (model.py) or pkg.module:factory.")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder to write the fixed model.py, weights and summary to (the graph rewrite).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Folder to write the fixed model.py, weights and summary to (the graph rewrite, or the module tree of a model torch.fx cannot trace).")] = None,
     entry: Annotated[Optional[str], typer.Option(help="Name of the model factory, class or instance in the file.")] = None,
     input: Annotated[Optional[list[str]], typer.Option("--input", help="Input shape per forward argument, e.g. 8x3x224x224 or 8x128:int64 (instead of example_inputs).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Target device whose autocast policy applies: cuda or cpu [default: cuda].")] = None,

@@ -7,6 +7,10 @@
 The input model is left untouched: the fix works on a deep copy. The returned module is that copy with a
 rewritten ``forward`` (class ``Fixed<Class>``): same parameter and buffer names, same ``state_dict`` keys, so
 existing checkpoints load; with autocast off it computes exactly what the original computes.
+
+A model torch.fx cannot trace keeps its own forward and is fixed on its module tree instead
+(:mod:`ampaudit.rewrite.module_fix`: modules kept in fp32, layers padded by hooks), verified the same way:
+``result.form == "modules"``, ``result.gm`` is None and ``result.plan`` holds what was applied.
 """
 from __future__ import annotations
 
@@ -41,6 +45,12 @@ class FixResult:
     report: FixReport
     gm: Any = field(default=None, repr=False)        # the rewritten fx.GraphModule (what the writer prints)
     devices: tuple[str, ...] = ("cpu",)
+    plan: Any = None     # ModulePlan when torch.fx could not capture the model and the fix is module-level
+
+    @property
+    def form(self) -> str:
+        """"graph" (the rewritten forward) or "modules" (keep_fp32 and padding on the module tree)."""
+        return "graph" if self.plan is None else "modules"
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.module, self.changes, self.report))
@@ -62,12 +72,13 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         raise UsageError("fix needs the model's weights, but they are on the meta device",
                          hint="build the model with real weights (check audits meta models; fix rewrites and verifies)")
     work = copy.deepcopy(original)
+    opts = dict(device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs, target=target,
+                calibrate=calibrate, data=data, specialize=False)
     try:
-        aud = audit(work, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
-                    target=target, capture_mode="fx", calibrate=calibrate, data=data,
-                    specialize=False, **kwargs)
+        aud = audit(work, *args, capture_mode="fx", **opts, **kwargs)
     except CaptureError as exc:
-        raise CaptureError(f"cannot rewrite {type(original).__name__}: {exc.message}", hint=KEEP_FP32_HINT) from exc
+        # The graph cannot be rewritten; the same findings are fixed on the module tree instead.
+        return _fix_modules(original, work, args, kwargs, opts, pad=pad, verify=verify, why=exc.message)
     gm, policy = aud.capture.gm, aud.policy
     if aud.capture.root is not work:
         raise CaptureError(f"{type(original).__name__} is a single built-in layer; there is no forward to rewrite",
@@ -92,9 +103,42 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
 
     fixed = install_forward(work, gm)
     if verify:
-        report.verification = _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate,
-                                      padded, data)
+        report.verification = _verify(original, fixed, args, kwargs, policy, opts, padded)
     return FixResult(module=fixed, changes=changes, report=report, gm=gm, devices=devices)
+
+
+def _fix_modules(original, work, args, kwargs, opts, *, pad: bool, verify: bool, why: str) -> FixResult:
+    """The module-level fix (rewrite/module_fix.py) on what check captures when torch.fx cannot trace it."""
+    from ampaudit.api import audit
+    from ampaudit.rewrite.module_fix import apply_module_fix, plan_module_fix
+
+    try:
+        aud = audit(work, *args, capture_mode="auto", **opts, **kwargs)
+    except CaptureError as exc:
+        raise CaptureError(f"cannot fix {type(original).__name__}: {exc.message}", hint=KEEP_FP32_HINT) from exc
+    if aud.capture.root is not work:
+        raise CaptureError(f"{type(original).__name__} is a single built-in layer; there is nothing to fix at "
+                           "module granularity", hint=KEEP_FP32_HINT)
+    findings: list[Finding] = list(aud.report.findings)
+    report = FixReport(target=opts["target"] or type(original).__name__, policy=aud.policy.describe(),
+                       before=aud.report, calibrated=opts["calibrate"], form="modules")
+    plan = plan_module_fix(work, findings, pad=pad)
+    report.padding = apply_module_fix(work, plan.keep, plan.pad)
+    report.islands, report.flagged_ops = plan.islands, len(island_findings(findings))
+    report.notes += [f"fixed on the module tree, captured by {aud.capture.mode}: torch.fx cannot rewrite the "
+                     f"graph ({why})"] + plan.notes
+    padded = {c.module: set(c.dims) for c in report.padding}
+    kept = set(plan.keep)
+    report.unfixed = [f for f in _unfixed(findings, {}, padded)
+                      if not (f.autofix.get("kind") == "island" and _below(f.module, kept))]
+    if verify:
+        report.verification = _verify(original, work, args, kwargs, aud.policy, opts, padded, mode=aud.capture.mode)
+    return FixResult(module=work, changes=[*plan.islands, *report.padding], report=report,
+                     devices=island_devices(aud.policy.device), plan=plan)
+
+
+def _below(module: str | None, kept: set[str]) -> bool:
+    return bool(module) and any(module == k or module.startswith(k + ".") for k in kept)
 
 
 def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) -> list[Finding]:
@@ -112,7 +156,7 @@ def _unfixed(findings: list[Finding], flags: dict, padded: dict[str, set[str]]) 
     return out
 
 
-def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, calibrate, padded, data=None):
+def _verify(original, fixed, args, kwargs, policy, opts, padded, mode="fx"):
     from ampaudit.api import audit
 
     device_type = model_device(original)
@@ -120,9 +164,7 @@ def _verify(original, fixed, args, kwargs, policy, select, ignore, rules_dirs, c
     if device_type != policy.device and not v.target:
         v.notes.append(f"outputs compared under {device_type} autocast: the model's weights are on {device_type}, "
                        f"the target is {policy.device}")
-    again = audit(fixed, *args, device=policy.device, dtype=policy.dtype_name, select=select, ignore=ignore,
-                  rules_dirs=rules_dirs, capture_mode="fx", calibrate=calibrate, data=data,
-                  specialize=False, **kwargs)
+    again = audit(fixed, *args, capture_mode=mode, **opts, **kwargs)
     remaining = island_findings(again.report.findings)
     if padded:
         remaining += [f for f in of_kind(again.report.findings, "pad") if f.module in padded

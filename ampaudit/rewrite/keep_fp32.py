@@ -99,3 +99,17 @@ def keep_fp32(model: nn.Module, patterns: str | type | Sequence[str | type]) -> 
             if not getattr(m, "_ampaudit_keep_fp32", False):
                 m.__class__ = _fp32_class(type(m))
     return model
+
+
+def fp32_modules(model: nn.Module, paths: Sequence[str]) -> nn.Module:
+    """:func:`keep_fp32` on exact ``named_modules()`` paths (no glob: a path may hold ``[`` or ``*``); what the
+    module-level fix and the model.py it writes call. Raises UsageError for a path the model lacks."""
+    for path in paths:
+        try:
+            m = model.get_submodule(path)
+        except AttributeError as exc:
+            raise UsageError(f"keep_fp32(): the model has no module {path!r}",
+                             hint="rebuild the fix from the model as it is now") from exc
+        if not getattr(m, "_ampaudit_keep_fp32", False):
+            m.__class__ = _fp32_class(type(m))
+    return model

@@ -76,11 +76,12 @@ def _shape(node) -> tuple | None:
     return getattr(node.meta.get(AMP_KEY), "shape", None) if isinstance(node, fx.Node) else None
 
 
-def _targets(findings: list[Finding]) -> dict[str, dict[str, int]]:
-    """module path -> {dim name: padded size} from the alignment findings on call_module nodes."""
+def targets(findings: list[Finding], *, need_node: bool = True) -> dict[str, dict[str, int]]:
+    """module path -> {dim name: padded size} from the alignment findings (on call_module nodes unless
+    ``need_node=False``: the module-level padding needs no graph)."""
     out: dict[str, dict[str, int]] = {}
     for f in findings:
-        if f.autofix.get("kind") != "pad" or f.node is None:
+        if f.autofix.get("kind") != "pad" or (need_node and f.node is None):
             continue
         dim, padded = f.details.get("dim"), f.details.get("padded")
         if "dims" in f.autofix and dim not in f.autofix["dims"]:
@@ -179,18 +180,18 @@ def _tokens(shape) -> int | None:
 
 def pad_dims(gm: fx.GraphModule, root: nn.Module, findings: list[Finding]) -> tuple[bool, list[PadChange]]:
     """Pad the layers the alignment findings name; rewrites ``gm`` and ``root``'s parameters in place."""
-    targets = _targets(findings)
-    if not targets:
+    wanted = targets(findings)
+    if not wanted:
         return False, []
     p = _Padder(gm, root)
     changes: dict[str, PadChange] = {}
-    order = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in targets]
+    order = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in wanted]
     for node in order:
         path = node.target
         if path in changes or len(p.calls.get(path, [])) != 1:
             continue  # a module called twice would need every call site checked; left as it is
         m = root.get_submodule(path)
-        want = targets[path]
+        want = wanted[path]
         p.current = path
         if isinstance(m, nn.Linear):
             changes[path] = _pad_linear(p, node, m, path, want)
@@ -329,6 +330,39 @@ def pad_linear(module: nn.Linear, dims: dict[str, int], name: str = "") -> PadCh
     shapes = {"weight": (new_out, new_in), **({"bias": (new_out,)} if module.bias is not None else {})}
     change.param_shapes, change.module_attrs = shapes, {"in_features": new_in, "out_features": new_out}
     module.register_state_dict_post_hook(functools.partial(_unpad_state, {"weight": (fout, fin), "bias": (fout,)}))
+    module._register_load_state_dict_pre_hook(functools.partial(pad_checkpoint, shapes))
+    return change
+
+
+def pad_conv(module: nn.Conv1d, dims: dict[str, int], name: str = "") -> PadChange:
+    """Pad a Conv1d/2d/3d with ``groups == 1`` in place to ``dims`` ({"in_channels": I, "out_channels": O}), as
+    :func:`pad_linear` pads a Linear: zero input channels (the input padded by a pre-hook) and zero filters (the
+    output sliced back by a hook); ``state_dict()`` keeps the unpadded shapes."""
+    cin, cout = module.in_channels, module.out_channels
+    new_in, new_out = max(dims.get("in_channels", cin), cin), max(dims.get("out_channels", cout), cout)
+    kvol = math.prod(module.kernel_size)
+    change = PadChange(name, type(module).__name__, {}, f"M={cout} K={cin}x{kvol}", f"M={new_out} K={new_in}x{kvol}")
+    weight = module.weight
+    spatial = len(module.kernel_size)
+    if new_in != cin:
+        weight = _grow(weight, 1, new_in)
+        change.dims["in_channels"], change.input_pads = (cin, new_in), 1
+        pad = (0, 0) * spatial + (0, new_in - cin)
+        module.register_forward_pre_hook(lambda mod, args: (F.pad(args[0], pad), *args[1:]))
+    if new_out != cout:
+        weight = _grow(weight, 0, new_out)
+        if module.bias is not None:
+            module.bias = nn.Parameter(_grow(module.bias, 0, new_out), requires_grad=module.bias.requires_grad)
+        change.dims["out_channels"], change.slices = (cout, new_out), 1
+        module.register_forward_hook(lambda mod, args, out: out[:, :cout])
+    if not change.dims:
+        return change
+    user = {"weight": tuple(module.weight.shape), "bias": (cout,)}
+    module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+    module.in_channels, module.out_channels = new_in, new_out
+    shapes = {"weight": tuple(weight.shape), **({"bias": (new_out,)} if module.bias is not None else {})}
+    change.param_shapes, change.module_attrs = shapes, {"in_channels": new_in, "out_channels": new_out}
+    module.register_state_dict_post_hook(functools.partial(_unpad_state, user))
     module._register_load_state_dict_pre_hook(functools.partial(pad_checkpoint, shapes))
     return change
 

@@ -30,6 +30,7 @@ class FixReport:
     flagged_ops: int = 0
     calibrated: bool = False
     notes: list[str] = field(default_factory=list)
+    form: str = "graph"        # "graph": the rewritten forward; "modules": keep_fp32 and padding on the module tree
 
     @property
     def casts(self) -> int:
@@ -41,6 +42,7 @@ class FixReport:
             "target": self.target,
             "policy": self.policy,
             "calibrated": self.calibrated,
+            "form": self.form,
             "flagged_ops": self.flagged_ops,
             "islands": [{"index": c.index, "modules": c.modules, "ops": c.ops, "rules": c.rules, "casts": c.casts}
                         for c in self.islands],
@@ -56,7 +58,15 @@ class FixReport:
     def lines(self) -> list[str]:
         pol = f"{self.policy.get('dtype')} autocast on {self.policy.get('device')}"
         out = [f"ampaudit fix {self.target} [{pol}]"]
-        if self.islands:
+        if self.form == "modules":
+            out.append("form: fixed on the module tree (fp32 modules and padded layers; the model keeps its own "
+                       "forward, which torch.fx cannot rewrite)")
+        if self.islands and self.form == "modules":
+            out.append(f"{len(self.islands)} module(s) kept in fp32 (ampaudit.keep_fp32) over {self.flagged_ops} "
+                       "finding(s): each runs whole in fp32 under autocast, its GEMMs too")
+            out += [f"  {', '.join(c.modules)}: {', '.join(c.ops)} [{', '.join(c.rules)}]" for c in self.islands]
+            out.append(f"  {OUTPUT_POLICY}")
+        elif self.islands:
             out.append(f"{len(self.islands)} fp32 island(s) over {self.flagged_ops} flagged op(s), "
                        f"{self.casts} cast(s) added (one island per op would add {self.casts_per_op})")
             out += [f"  {c.describe()}" for c in self.islands]

@@ -11,6 +11,10 @@ reconstructed from reprs. It then swaps in a subclass whose ``forward`` is the r
 shapes, and loads ``weights.pt`` with ``torch.load(weights_only=True)``. ``example_inputs`` and the training hooks
 are taken from the original file, so ``ampaudit check`` and ``ampaudit train`` work on the result directly.
 Nothing is pickled but tensors, and the file needs only torch and the original model file.
+
+A model torch.fx cannot trace keeps its own forward (``result.form == "modules"``): its ``model.py`` builds the
+original, loads ``weights.pt`` (the original's shapes) and applies ``ampaudit.rewrite.module_fix``'s table of
+fp32 modules and padded layers, so that file needs ampaudit too.
 """
 from __future__ import annotations
 
@@ -212,7 +216,12 @@ def render_model_py(result, source, entry: str, *, has_constants: bool, saved_in
         lines += ["    for name, value in torch.load(HERE / 'constants.pt', weights_only=True).items():",
                   "        setattr(model, name, value)"]
     lines.append("    return model")
-    lines += ["", ""]
+    return "\n".join(lines + _tail(source, saved_inputs)) + "\n"
+
+
+def _tail(source, saved_inputs: bool) -> list[str]:
+    """example_inputs() and the training hooks of the original file, for check and train on the result."""
+    lines = ["", ""]
     if saved_inputs:
         lines += ["def example_inputs():", "    saved = torch.load(HERE / 'inputs.pt', weights_only=True)",
                   "    return tuple(saved['args']), dict(saved['kwargs'])"]
@@ -221,7 +230,34 @@ def render_model_py(result, source, entry: str, *, has_constants: bool, saved_in
     for hook in HOOKS:
         if source.hook(hook) is not None:
             lines += ["", "", f"{hook} = _original.{hook}"]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def render_module_py(result, source, entry: str, *, saved_inputs: bool, outdir: Path | None = None) -> str:
+    """OUTDIR/model.py of a module-level fix (torch.fx could not rewrite the graph): the original model, its
+    weights, and :func:`ampaudit.rewrite.module_fix.apply_module_fix` with the fix's table."""
+    rep, plan = result.report, result.plan
+    pol = f"{rep.policy.get('dtype')} autocast on {rep.policy.get('device')}"
+    head = [f'"""{rep.target} fixed by `ampaudit fix` for {pol},',
+            "on the module tree (torch.fx cannot rewrite its graph, so its own forward runs):", ""]
+    head += [f"  fp32: {', '.join(c.modules)} ({', '.join(c.rules)})" for c in rep.islands]
+    head += [f"  padded {c.describe()}" for c in rep.padding]
+    head += ["", "build_model() builds the original model with the original file's factory, loads weights.pt (the",
+             "original's parameter names and shapes) and applies the fix with ampaudit's apply_module_fix: the",
+             "modules in KEEP_FP32 run in fp32 under autocast, the layers in PAD get zero rows and columns",
+             "(outputs unchanged). Regenerate this file with ampaudit fix rather than editing it.", '"""']
+    lines = head + ["import importlib", "import importlib.util", "import sys", "from pathlib import Path", "",
+                    "import torch", "", "from ampaudit.rewrite.module_fix import apply_module_fix", "",
+                    "HERE = Path(__file__).resolve().parent", f"ENTRY = {entry!r}"]
+    lines += _loader_lines(source, entry, outdir)
+    lines += ["", "", "_original = _load_original()", f"KEEP_FP32 = {plan.keep!r}", f"PAD = {plan.pad!r}", "", "",
+              "def build_model() -> torch.nn.Module:",
+              "    factory = getattr(_original, ENTRY)",
+              "    model = factory if isinstance(factory, torch.nn.Module) else factory()",
+              "    model.load_state_dict(torch.load(HERE / 'weights.pt', weights_only=True))",
+              "    apply_module_fix(model, KEEP_FP32, PAD)",
+              "    return model"]
+    return "\n".join(lines + _tail(source, saved_inputs)) + "\n"
 
 
 def write_outdir(result, outdir: str | Path, *, source, entry: str, saved_inputs: bool) -> list[Path]:
@@ -229,9 +265,12 @@ def write_outdir(result, outdir: str | Path, *, source, entry: str, saved_inputs
     outdir = Path(outdir)
     check_outdir(outdir)
     hint = "choose a writable folder for -o/--output"
-    constants = missing_attrs_of(result)
-    text = render_model_py(result, source, entry, has_constants=bool(constants), saved_inputs=saved_inputs,
-                           outdir=outdir)
+    constants = missing_attrs_of(result) if result.gm is not None else {}
+    if result.plan is not None:
+        text = render_module_py(result, source, entry, saved_inputs=saved_inputs, outdir=outdir)
+    else:
+        text = render_model_py(result, source, entry, has_constants=bool(constants), saved_inputs=saved_inputs,
+                               outdir=outdir)
     compile(text, str(outdir / "model.py"), "exec")  # a bug here must not leave a broken file behind
     # The marker goes first, so a run killed half-way leaves a folder the next run may overwrite.
     atomic_write_text(outdir / "fix.json", json.dumps({"tool": MARKER, "complete": False}) + "\n", hint=hint)

@@ -111,17 +111,34 @@ def untraceable(text: str, module: str | None) -> str:
     refuse such a model, replaced by what runs on it (rules/policy/settings.toml [recommend.untraceable])."""
     from ampaudit.policy import settings
 
-    name = module or "<module>"
-    for phrase, instead in settings().get("recommend", {}).get("untraceable", {}).items():
-        text = text.replace(phrase.format(module=name), instead.format(module=name))
+    name = "<module>" if module is None else module       # keep_fp32(model, ['']) is the whole model
+    tables = settings().get("recommend", {})
+    # The top module's own ops ("" names it; None: not known) are better fixed in the source than all in fp32.
+    for table in (["untraceable_top"] if module == "" else []) + ["untraceable"]:
+        for phrase, instead in tables.get(table, {}).items():
+            text = text.replace(phrase.format(module=name), instead.format(module=name))
     return text
 
 
 def route_untraceable(findings: list[Finding]) -> None:
-    """Each finding's fix as :func:`untraceable` words it."""
+    """Each finding's fix as :func:`untraceable` words it, but for those ``fix -o`` / ``fix --pad`` still fix on
+    such a model at module granularity (:func:`module_fixable`), whose commands run as recommended."""
     for f in findings:
-        if f.fix:
+        if f.fix and not module_fixable(f):
             f.fix = untraceable(f.fix, f.module)
+
+
+def module_fixable(f: Finding) -> bool:
+    """True when the fix of a model torch.fx cannot trace (ampaudit.rewrite.module_fix) covers ``f``: an island
+    finding in a submodule (that module runs in fp32), a pad finding on a layer kind it pads
+    (rules/policy/settings.toml [recommend.module_fix])."""
+    from ampaudit.policy import settings
+
+    kind = f.autofix.get("kind")
+    if kind == "island":
+        return bool(f.module)
+    pads = settings().get("recommend", {}).get("module_fix", {}).get("pad_ops", [])
+    return kind == "pad" and bool(f.module) and f.op in pads
 
 
 def relative_location(f: Finding, base: Path) -> None:

@@ -24,7 +24,10 @@ from ampaudit.sourcefix.cst_tools import BINARY_OPS, receiver
 # Names an op goes by in source besides its own (the fx/aten name is the left one).
 ALIASES = {"truediv": ("div",), "type_as": ("type_as",), "index_add_": ("index_add_", "index_add"),
            "scatter_add": ("scatter_add", "scatter_add_"), "linalg_vector_norm": ("vector_norm", "norm"),
-           "multi_head_attention": ("multi_head_attention_forward",)}
+           "multi_head_attention": ("multi_head_attention_forward",),
+           # torch.export decomposes F.normalize, cosine_similarity and pairwise_distance: their default eps
+           # meets the aten clamp_min (AMP402), and the line holds the call that ran it.
+           "clamp_min": ("clamp_min", "clamp", "normalize", "cosine_similarity", "pairwise_distance")}
 
 
 @dataclass
