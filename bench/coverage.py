@@ -4,10 +4,14 @@
     python bench/coverage.py --families torchvision-cls --limit 3 --workers 1     # a smoke run
     python bench/coverage.py --json rows.json --markdown       # per-model rows, and tables for BENCHMARKS.md
     python bench/coverage.py --calibrate                       # also check --calibrate on every model
+    python bench/coverage.py --families transformers-all --shard 1/4 --calibrate-only   # a chunk, calibration only
 
-Families: all torchvision classification models, every torchvision detection and segmentation model, the
-``--timm-count`` smallest-sounding timm models taken round-robin over timm's modules (one architecture each
-before any gets a second), and tiny random-init configs of 22 transformers architectures. Nothing is downloaded.
+Families: all torchvision classification models, every torchvision detection, segmentation, video and optical-flow
+model, the ``--timm-count`` smallest-sounding timm models taken round-robin over timm's modules (one architecture
+each before any gets a second), tiny random-init configs of 22 transformers architectures, every other
+transformers base model from its own default config shrunk by name (``transformers-all``, coverage_hf.py), and
+seven diffusers backbones from tiny configs (coverage_diffusers.py). Nothing is downloaded. Models whose eager
+forward does not run are listed grouped by reason.
 
 For each model a worker process runs the stages of ``coverage_runner`` (eager forward, plain fx trace, plain
 torch.export, ``ampaudit.check`` with capture_mode="auto"), each under ``--timeout`` seconds. A *complete
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -80,6 +85,63 @@ def capture_table(rows: list[dict]) -> list[list[str]]:
     return lines
 
 
+PRECISION = ("sensitive-op", "normalization", "constant")   # bench/accuracy.py's: false alarms on these models
+TIMING_COLUMNS = ("family", "audited", "median check s", "worst check s", "median x export", "worst x export",
+                  "precision alarms", "calibrated")
+
+
+def bare_ratio(row: dict) -> float | None:
+    """check's seconds over plain torch.export's on the same model (None where export failed). Against export, not
+    fx: a plain fx trace runs nothing, while every check propagates shapes as export does."""
+    bare = row["seconds"].get("export") if row.get("export") else None
+    return row["seconds"]["ampaudit"] / bare if bare else None
+
+
+def precision_alarms(row: dict, stage: str = "check") -> int:
+    """Warnings and errors of the precision families in one row's ``stage`` (check or calibrate)."""
+    counts = ((row.get("detail") or {}).get(stage) or {}).get("counts") or {}
+    return sum(n for key, n in counts.items()
+               if key.split("|")[1] in PRECISION and key.split("|")[2] in ("warning", "error"))
+
+
+def timing_table(rows: list[dict]) -> list[list[str]]:
+    """Per family: audited of eager-ok, median and worst check seconds and as a ratio to the bare capture,
+    precision-family warnings and errors (static, then calibrated), and how many calibrations completed."""
+    lines = []
+    groups = [(f, [r for r in rows if r["family"] == f]) for f in FAMILIES]
+    for name, group in [g for g in groups if g[1]] + [("all", rows)]:
+        done = [r for r in group if r["eager"] and r["ampaudit"]]
+        secs = sorted(r["seconds"]["ampaudit"] for r in done)
+        ratios = sorted(x for x in map(bare_ratio, done) if x is not None)
+        calibrated = [r for r in group if r["eager"] and (r.get("detail") or {}).get("calibrate")]
+        tried = [r for r in group if r["eager"] and r.get("calibrate") is not None]
+        static_alarms = sum(precision_alarms(r) for r in done)
+        cal_alarms = sum(precision_alarms(r, "calibrate") for r in calibrated)
+        lines.append([name, _pct(*share(group, "ampaudit")),
+                      f"{statistics.median(secs):.2f}" if secs else "-", f"{secs[-1]:.2f}" if secs else "-",
+                      f"{statistics.median(ratios):.2f}" if ratios else "-", f"{ratios[-1]:.2f}" if ratios else "-",
+                      f"{static_alarms}" + (f" / {cal_alarms}" if tried else ""),
+                      f"{len(calibrated)}/{len(tried)}" if tried else "-"])
+    return lines
+
+
+def _reason(error: str) -> str:
+    """An eager error with its model-specific parts (numbers, quoted names, shapes) blanked, to group by."""
+    last = error.split(" | ")[-1].split(": ", 1)[-1]        # the CPU attempt's, without the device prefix
+    last = re.sub(r"'[^']*'|\"[^\"]*\"", "'_'", last)
+    last = re.sub(r"\d+", "N", last)
+    return " ".join(last.split())[:110]
+
+
+def build_failures(rows: list[dict]) -> list[tuple[int, str, list[str]]]:
+    """Models whose eager forward did not run, grouped by reason: (count, reason, models), most common first."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r["eager"] is False:
+            groups.setdefault(_reason(r["errors"].get("eager", "?")), []).append(r["model"])
+    return sorted(((len(v), k, v) for k, v in groups.items()), key=lambda g: (-g[0], g[1]))
+
+
 CAPTURE_COLUMNS = ("capture", "audits", "share of eager-ok", "median check s", "max check s", "families")
 
 
@@ -114,7 +176,7 @@ def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for pkg in ("torch", "torchvision", "timm", "transformers"):
+    for pkg in ("torch", "torchvision", "timm", "transformers", "diffusers"):
         try:
             found[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -128,6 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of: {', '.join(FAMILIES)}")
     p.add_argument("--limit", type=int, default=None, help="at most N models per family (smoke runs)")
     p.add_argument("--models", default=None, help="comma-separated model names: run only these")
+    p.add_argument("--shard", default=None, help="I/N: run only every N-th model of the selection, from the I-th (chunks of a long run)")
     p.add_argument("--timm-count", type=int, default=160, help="how many timm models (default 160)")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per stage of one model (default 90)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
@@ -136,6 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no line per model while running")
     p.add_argument("--calibrate", action="store_true",
                    help="also run check --calibrate (real weights, forward and backward) on every model")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="only the eager forward and check --calibrate (a second pass after a static one)")
     args = p.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in args.families if f not in FAMILIES]
@@ -161,6 +226,9 @@ def select(args: argparse.Namespace) -> list[dict]:
             wanted = {m.strip() for m in args.models.split(",")}
             found = [s for s in found if s["name"] in wanted]
         specs.extend(found[: args.limit] if args.limit is not None else found)
+    if getattr(args, "shard", None):
+        index, count = (int(x) for x in args.shard.split("/"))
+        specs = specs[index - 1::count]
     return specs
 
 
@@ -189,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     done: list[dict] = []
     meta = {"versions": versions(), "families": args.families, "limit": args.limit, "timm_count": args.timm_count,
             "timeout": args.timeout, "workers": args.workers, "argv": sys.argv[1:]}
-    stages = STAGES + (("calibrate",) if args.calibrate else ())
+    args.calibrate = args.calibrate or args.calibrate_only
+    stages = ("eager", "calibrate") if args.calibrate_only else STAGES + (("calibrate",) if args.calibrate else ())
     rows = run_all(specs, workers=args.workers, timeout=args.timeout, stages=stages,
                    on_row=_progress(done, len(specs), args.quiet, args.json, meta))
     wall = time.perf_counter() - start
@@ -200,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     print(render(COLUMNS, family_table(rows), args.markdown))
     print()
     print(render(CAPTURE_COLUMNS, capture_table(rows), args.markdown))
+    if not args.calibrate_only:
+        print()
+        print(render(TIMING_COLUMNS, timing_table(rows), args.markdown))
+    failed = build_failures(rows)
+    if failed:
+        print(f"\n{sum(g[0] for g in failed)} model(s) whose eager forward did not run, by reason:")
+        for count, reason, models in failed:
+            print(f"  {count:4d}  {reason}: {', '.join(models[:6])}" + (" ..." if len(models) > 6 else ""))
     bad = failures(rows)
     print()
     print(f"{len(rows)} models in {wall:.0f} s; shares are of models whose eager forward runs; "
