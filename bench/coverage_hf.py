@@ -44,13 +44,14 @@ def hf_all_names() -> list[str]:
     """model_types of transformers' MODEL_MAPPING, one per distinct base-model class, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    seen, names = set(), []
+    by_class: dict[str, list[str]] = {}
     for model_type, cls in sorted(MODEL_MAPPING_NAMES.items()):
-        cls = cls[0] if isinstance(cls, (tuple, list)) else cls
-        if cls not in seen:
-            seen.add(cls)
-            names.append(model_type)
-    return names
+        by_class.setdefault(cls[0] if isinstance(cls, (tuple, list)) else cls, []).append(model_type)
+
+    def own(cls: str, model_type: str) -> bool:   # LlamaModel is llama's, not exaone's that reuses it
+        return cls.lower().startswith(re.sub(r"[-_]", "", model_type))
+
+    return sorted(next((t for t in types if own(cls, t)), types[0]) for cls, types in by_class.items())
 
 
 def _token_ids(config) -> int:
