@@ -190,6 +190,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of: {', '.join(FAMILIES)}")
     p.add_argument("--limit", type=int, default=None, help="at most N models per family (smoke runs)")
     p.add_argument("--models", default=None, help="comma-separated model names: run only these")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="run nothing: print the tables of these --json files (chunks, a later calibration pass)")
     p.add_argument("--shard", default=None, help="I/N: run only every N-th model of the selection, from the I-th (chunks of a long run)")
     p.add_argument("--timm-count", type=int, default=160, help="how many timm models (default 160)")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per stage of one model (default 90)")
@@ -249,6 +251,11 @@ def _progress(done: list, total: int, quiet: bool, json_path: Path | None, meta:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        rows = merge(args.merge)
+        first = json.loads(args.merge[0].read_text()).get("meta", {}).get("versions")
+        return summarize(rows, markdown=args.markdown, head=f"{len(rows)} models from {len(args.merge)} run(s)",
+                         found=first)
     start = time.perf_counter()
     specs = select(args)
     if not specs:
@@ -265,36 +272,71 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = round(wall, 1)
     if args.json:
         write_json(args.json, {"meta": meta, "rows": rows})
+    return summarize(rows, markdown=args.markdown, head=f"{len(rows)} models in {wall:.0f} s", found=meta["versions"])
+
+
+def merge(paths: list[Path]) -> list[dict]:
+    """The rows of several runs' JSON as one list: a later run's stages (a --calibrate-only pass, a re-run of a few
+    models) update the earlier row of the same model."""
+    rows: dict[tuple[str, str], dict] = {}
+    for path in paths:
+        for row in json.loads(path.read_text())["rows"]:
+            key = (row["family"], row["model"])
+            if key not in rows:
+                rows[key] = row
+                continue
+            old = rows[key]
+            for stage in (*STAGES, "calibrate"):
+                if row.get(stage) is not None:
+                    old[stage] = row[stage]
+                    for part in ("seconds", "errors"):
+                        if stage in row[part]:
+                            old[part][stage] = row[part][stage]
+                        elif stage != "eager":
+                            old[part].pop(stage, None)
+            old.setdefault("detail", {}).update(row.get("detail") or {})
+            if row.get("capture"):
+                old["capture"] = row["capture"]
+    return list(rows.values())
+
+
+def summarize(rows: list[dict], *, markdown: bool, head: str, found: dict | None = None) -> int:
+    """Print the tables, what did not run and every kept alarm; 1 when an audit or a calibration it tried failed."""
+    static = any(r.get("ampaudit") is not None for r in rows)
     print()
-    print(render(COLUMNS, family_table(rows), args.markdown))
+    print(render(COLUMNS, family_table(rows), markdown))
     print()
-    print(render(CAPTURE_COLUMNS, capture_table(rows), args.markdown))
-    if not args.calibrate_only:
+    print(render(CAPTURE_COLUMNS, capture_table(rows), markdown))
+    if static:
         print()
-        print(render(TIMING_COLUMNS, timing_table(rows), args.markdown))
+        print(render(TIMING_COLUMNS, timing_table(rows), markdown))
     failed = build_failures(rows)
     if failed:
         print(f"\n{sum(g[0] for g in failed)} model(s) whose eager forward did not run, by reason:")
         for count, reason, models in failed:
             print(f"  {count:4d}  {reason}: {', '.join(models[:6])}" + (" ..." if len(models) > 6 else ""))
-    bad = failures(rows)
+    bad = failures(rows) if static else []
     print()
-    print(f"{len(rows)} models in {wall:.0f} s; shares are of models whose eager forward runs; "
-          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    print(f"{head}; shares are of models whose eager forward runs; "
+          + ", ".join(f"{k} {v}" for k, v in (found or versions()).items()))
     partial = [f"{r['family']}/{r['model']}" for r in rows if r["ampaudit"]
                and any(n.startswith("shapes unknown") for n in r["notes"])]
     if partial:
         print(f"{len(partial)} complete audit(s) with nodes of unknown shape: {', '.join(partial)}")
     for line in bad:
         print(f"incomplete audit: {line}")
-    if args.calibrate:
-        eager = [r for r in rows if r["eager"]]
-        calibrated = [r for r in eager if (r.get("detail") or {}).get("calibrate")]
-        print(f"check --calibrate completed on {len(calibrated)}/{len(eager)} models")
-        for r in eager:
+    for r in rows:
+        for stage, detail in (r.get("detail") or {}).items():
+            for alarm in detail.get("alarms") or []:
+                print(f"alarm ({stage}): {r['family']}/{r['model']}: {alarm}")
+    tried = [r for r in rows if r["eager"] and r.get("calibrate") is not None]
+    if tried:
+        calibrated = [r for r in tried if (r.get("detail") or {}).get("calibrate")]
+        print(f"check --calibrate completed on {len(calibrated)}/{len(tried)} models")
+        for r in tried:
             if r not in calibrated:
                 print(f"incomplete calibration: {r['family']}/{r['model']}: {r['errors'].get('calibrate', 'not run')}")
-        bad = bad or len(calibrated) < len(eager)
+        bad = bad or len(calibrated) < len(tried)
     return 1 if bad else 0
 
 

@@ -199,3 +199,21 @@ def test_transformers_configs_shrink_by_name_and_keep_special_tokens_inside_the_
     assert config.depths == [1, 1, 1, 1] and config.hidden_sizes == [8, 64]
     assert config.max_position_embeddings == 32768          # not a size of the weights: left alone
     assert (config.vision_config.hidden_size, config.vision_config.num_hidden_layers) == (32, 2)
+
+
+def test_merge_lays_a_calibration_pass_over_the_static_rows(tmp_path, capsys):
+    static = _timed("diffusers", "a", "export", 2.0, 1.0)
+    static["calibrate"] = None
+    later = {**_row("diffusers", "a", fx=None, export=None, ampaudit=None), "calibrate": True,
+             "seconds": {"eager": 0.1, "calibrate": 4.0}, "errors": {},
+             "detail": {"calibrate": {"counts": {}, "alarms": ["AMP301 warning head: softmax in fp16"]}}}
+    for name, rows in (("s.json", [static]), ("c.json", [later])):
+        (tmp_path / name).write_text(json.dumps({"meta": {"versions": {"torch": "x"}}, "rows": rows}))
+    [row] = cov.merge([tmp_path / "s.json", tmp_path / "c.json"])
+    assert row["ampaudit"] is True and row["export"] is True and row["calibrate"] is True
+    assert row["seconds"]["calibrate"] == 4.0 and row["seconds"]["export"] == 1.0
+    assert set(row["detail"]) == {"check", "calibrate"}
+    assert cov.main(["--merge", str(tmp_path / "s.json"), str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "check --calibrate completed on 1/1 models" in out and "torch x" in out
+    assert "alarm (calibrate): diffusers/a: AMP301 warning head: softmax in fp16" in out
