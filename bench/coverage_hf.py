@@ -98,6 +98,17 @@ def shrink(config, depth: int = 0):
     return config
 
 
+def _no_cache(config, depth: int = 0) -> None:
+    # A returned DynamicCache is no output torch.export knows: a vision-language model's text config has its own flag.
+    from transformers import PretrainedConfig
+
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    for value in list(vars(config).values()):
+        if isinstance(value, PretrainedConfig) and depth < 3:
+            _no_cache(value, depth + 1)
+
+
 def _sub(config, *names):
     for name in names:
         sub = getattr(config, name, None)
@@ -146,8 +157,7 @@ def build_hf_all(model_type: str, device: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = shrink(CONFIG_MAPPING[model_type]())
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
+    _no_cache(config)
     with torch.device(device):
         model = transformers.AutoModel.from_config(config)
     return model, _inputs(model, config, device)
