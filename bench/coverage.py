@@ -129,6 +129,7 @@ def _reason(error: str) -> str:
     """An eager error with its model-specific parts (numbers, quoted names, shapes) blanked, to group by."""
     last = error.split(" | ")[-1].split(": ", 1)[-1]        # the CPU attempt's, without the device prefix
     last = re.sub(r"'[^']*'|\"[^\"]*\"", "'_'", last)
+    last = re.sub(r"\b\w+\.forward\(\)", "forward()", last)     # one group for every model missing an input
     last = re.sub(r"\d+", "N", last)
     return " ".join(last.split())[:110]
 

@@ -169,7 +169,12 @@ def test_build_failures_group_by_reason_without_the_model_specific_parts():
     rows[0]["errors"]["eager"] = "meta: RuntimeError: a | cpu: TypeError: Bros2Model() needs 1 input: 'bbox'"
     rows[1]["errors"]["eager"] = "meta: RuntimeError: b | cpu: TypeError: Bros3Model() needs 2 input: \"ids\""
     rows[2]["errors"]["eager"] = "cpu: KeyError: 'rope_type'"
+    rows.append(_row("transformers-all", "w", eager=False, fx=None, export=None, ampaudit=None))
+    rows[3]["errors"]["eager"] = "cpu: TypeError: GroundingDinoModel.forward() missing 1 required argument: 'ids'"
+    rows.append(_row("transformers-all", "v", eager=False, fx=None, export=None, ampaudit=None))
+    rows[4]["errors"]["eager"] = "cpu: TypeError: Blip2QFormerModel.forward() missing 1 required argument: 'q'"
     assert cov.build_failures(rows) == [(2, "TypeError: BrosNModel() needs N input: '_'", ["x", "y"]),
+                                        (2, "TypeError: forward() missing N required argument: '_'", ["w", "v"]),
                                         (1, "KeyError: '_'", ["z"])]
 
 
