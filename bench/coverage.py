@@ -4,10 +4,14 @@
     python bench/coverage.py --families torchvision-cls --limit 3 --workers 1     # a smoke run
     python bench/coverage.py --json rows.json --markdown       # per-model rows, and tables for BENCHMARKS.md
     python bench/coverage.py --calibrate                       # also check --calibrate on every model
+    python bench/coverage.py --families transformers-all --shard 1/4 --calibrate-only   # a chunk, calibration only
 
-Families: all torchvision classification models, every torchvision detection and segmentation model, the
-``--timm-count`` smallest-sounding timm models taken round-robin over timm's modules (one architecture each
-before any gets a second), and tiny random-init configs of 22 transformers architectures. Nothing is downloaded.
+Families: all torchvision classification models, every torchvision detection, segmentation, video and optical-flow
+model, the ``--timm-count`` smallest-sounding timm models taken round-robin over timm's modules (one architecture
+each before any gets a second), tiny random-init configs of 22 transformers architectures, every other
+transformers base model from its own default config shrunk by name (``transformers-all``, coverage_hf.py), and
+seven diffusers backbones from tiny configs (coverage_diffusers.py). Nothing is downloaded. Models whose eager
+forward does not run are listed grouped by reason.
 
 For each model a worker process runs the stages of ``coverage_runner`` (eager forward, plain fx trace, plain
 torch.export, ``ampaudit.check`` with capture_mode="auto"), each under ``--timeout`` seconds. A *complete
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -80,6 +85,64 @@ def capture_table(rows: list[dict]) -> list[list[str]]:
     return lines
 
 
+PRECISION = ("sensitive-op", "normalization", "constant")   # bench/accuracy.py's: false alarms on these models
+TIMING_COLUMNS = ("family", "audited", "median check s", "worst check s", "median x export", "worst x export",
+                  "precision alarms", "calibrated")
+
+
+def bare_ratio(row: dict) -> float | None:
+    """check's seconds over plain torch.export's on the same model (None where export failed). Against export, not
+    fx: a plain fx trace runs nothing, while every check propagates shapes as export does."""
+    bare = row["seconds"].get("export") if row.get("export") else None
+    return row["seconds"]["ampaudit"] / bare if bare else None
+
+
+def precision_alarms(row: dict, stage: str = "check") -> int:
+    """Warnings and errors of the precision families in one row's ``stage`` (check or calibrate)."""
+    counts = ((row.get("detail") or {}).get(stage) or {}).get("counts") or {}
+    return sum(n for key, n in counts.items()
+               if key.split("|")[1] in PRECISION and key.split("|")[2] in ("warning", "error"))
+
+
+def timing_table(rows: list[dict]) -> list[list[str]]:
+    """Per family: audited of eager-ok, median and worst check seconds and as a ratio to the bare capture,
+    precision-family warnings and errors (static, then calibrated), and how many calibrations completed."""
+    lines = []
+    groups = [(f, [r for r in rows if r["family"] == f]) for f in FAMILIES]
+    for name, group in [g for g in groups if g[1]] + [("all", rows)]:
+        done = [r for r in group if r["eager"] and r["ampaudit"]]
+        secs = sorted(r["seconds"]["ampaudit"] for r in done)
+        ratios = sorted(x for x in map(bare_ratio, done) if x is not None)
+        calibrated = [r for r in group if r["eager"] and (r.get("detail") or {}).get("calibrate")]
+        tried = [r for r in group if r["eager"] and r.get("calibrate") is not None]
+        static_alarms = sum(precision_alarms(r) for r in done)
+        cal_alarms = sum(precision_alarms(r, "calibrate") for r in calibrated)
+        lines.append([name, _pct(*share(group, "ampaudit")),
+                      f"{statistics.median(secs):.2f}" if secs else "-", f"{secs[-1]:.2f}" if secs else "-",
+                      f"{statistics.median(ratios):.2f}" if ratios else "-", f"{ratios[-1]:.2f}" if ratios else "-",
+                      f"{static_alarms}" + (f" / {cal_alarms}" if tried else ""),
+                      f"{len(calibrated)}/{len(tried)}" if tried else "-"])
+    return lines
+
+
+def _reason(error: str) -> str:
+    """An eager error with its model-specific parts (numbers, quoted names, shapes) blanked, to group by."""
+    last = error.split(" | ")[-1].split(": ", 1)[-1]        # the CPU attempt's, without the device prefix
+    last = re.sub(r"'[^']*'|\"[^\"]*\"", "'_'", last)
+    last = re.sub(r"\b\w+\.forward\(\)", "forward()", last)     # one group for every model missing an input
+    last = re.sub(r"\d+", "N", last)
+    return " ".join(last.split())[:110]
+
+
+def build_failures(rows: list[dict]) -> list[tuple[int, str, list[str]]]:
+    """Models whose eager forward did not run, grouped by reason: (count, reason, models), most common first."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r["eager"] is False:
+            groups.setdefault(_reason(r["errors"].get("eager", "?")), []).append(r["model"])
+    return sorted(((len(v), k, v) for k, v in groups.items()), key=lambda g: (-g[0], g[1]))
+
+
 CAPTURE_COLUMNS = ("capture", "audits", "share of eager-ok", "median check s", "max check s", "families")
 
 
@@ -114,7 +177,7 @@ def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for pkg in ("torch", "torchvision", "timm", "transformers"):
+    for pkg in ("torch", "torchvision", "timm", "transformers", "diffusers"):
         try:
             found[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -128,6 +191,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of: {', '.join(FAMILIES)}")
     p.add_argument("--limit", type=int, default=None, help="at most N models per family (smoke runs)")
     p.add_argument("--models", default=None, help="comma-separated model names: run only these")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="run nothing: print the tables of these --json files (chunks, a later calibration pass)")
+    p.add_argument("--shard", default=None, help="I/N: run only every N-th model of the selection, from the I-th (chunks of a long run)")
     p.add_argument("--timm-count", type=int, default=160, help="how many timm models (default 160)")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per stage of one model (default 90)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
@@ -136,6 +202,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no line per model while running")
     p.add_argument("--calibrate", action="store_true",
                    help="also run check --calibrate (real weights, forward and backward) on every model")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="only the eager forward and check --calibrate (a second pass after a static one)")
     args = p.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in args.families if f not in FAMILIES]
@@ -161,6 +229,9 @@ def select(args: argparse.Namespace) -> list[dict]:
             wanted = {m.strip() for m in args.models.split(",")}
             found = [s for s in found if s["name"] in wanted]
         specs.extend(found[: args.limit] if args.limit is not None else found)
+    if getattr(args, "shard", None):
+        index, count = (int(x) for x in args.shard.split("/"))
+        specs = specs[index - 1::count]
     return specs
 
 
@@ -181,6 +252,11 @@ def _progress(done: list, total: int, quiet: bool, json_path: Path | None, meta:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        rows = merge(args.merge)
+        first = json.loads(args.merge[0].read_text()).get("meta", {}).get("versions")
+        return summarize(rows, markdown=args.markdown, head=f"{len(rows)} models from {len(args.merge)} run(s)",
+                         found=first)
     start = time.perf_counter()
     specs = select(args)
     if not specs:
@@ -189,35 +265,79 @@ def main(argv: list[str] | None = None) -> int:
     done: list[dict] = []
     meta = {"versions": versions(), "families": args.families, "limit": args.limit, "timm_count": args.timm_count,
             "timeout": args.timeout, "workers": args.workers, "argv": sys.argv[1:]}
-    stages = STAGES + (("calibrate",) if args.calibrate else ())
+    args.calibrate = args.calibrate or args.calibrate_only
+    stages = ("eager", "calibrate") if args.calibrate_only else STAGES + (("calibrate",) if args.calibrate else ())
     rows = run_all(specs, workers=args.workers, timeout=args.timeout, stages=stages,
                    on_row=_progress(done, len(specs), args.quiet, args.json, meta))
     wall = time.perf_counter() - start
     meta["wall_s"] = round(wall, 1)
     if args.json:
         write_json(args.json, {"meta": meta, "rows": rows})
+    return summarize(rows, markdown=args.markdown, head=f"{len(rows)} models in {wall:.0f} s", found=meta["versions"])
+
+
+def merge(paths: list[Path]) -> list[dict]:
+    """The rows of several runs' JSON as one list: a later run's stages (a --calibrate-only pass, a re-run of a few
+    models) update the earlier row of the same model."""
+    rows: dict[tuple[str, str], dict] = {}
+    for path in paths:
+        for row in json.loads(path.read_text())["rows"]:
+            key = (row["family"], row["model"])
+            if key not in rows:
+                rows[key] = row
+                continue
+            old = rows[key]
+            for stage in (*STAGES, "calibrate"):
+                if row.get(stage) is not None:
+                    old[stage] = row[stage]
+                    for part in ("seconds", "errors"):
+                        if stage in row[part]:
+                            old[part][stage] = row[part][stage]
+                        elif stage != "eager":
+                            old[part].pop(stage, None)
+            old.setdefault("detail", {}).update(row.get("detail") or {})
+            if row.get("capture"):
+                old["capture"] = row["capture"]
+    return list(rows.values())
+
+
+def summarize(rows: list[dict], *, markdown: bool, head: str, found: dict | None = None) -> int:
+    """Print the tables, what did not run and every kept alarm; 1 when an audit or a calibration it tried failed."""
+    static = any(r.get("ampaudit") is not None for r in rows)
     print()
-    print(render(COLUMNS, family_table(rows), args.markdown))
+    print(render(COLUMNS, family_table(rows), markdown))
     print()
-    print(render(CAPTURE_COLUMNS, capture_table(rows), args.markdown))
-    bad = failures(rows)
+    print(render(CAPTURE_COLUMNS, capture_table(rows), markdown))
+    if static:
+        print()
+        print(render(TIMING_COLUMNS, timing_table(rows), markdown))
+    failed = build_failures(rows)
+    if failed:
+        print(f"\n{sum(g[0] for g in failed)} model(s) whose eager forward did not run, by reason:")
+        for count, reason, models in failed:
+            print(f"  {count:4d}  {reason}: {', '.join(models[:6])}" + (" ..." if len(models) > 6 else ""))
+    bad = failures(rows) if static else []
     print()
-    print(f"{len(rows)} models in {wall:.0f} s; shares are of models whose eager forward runs; "
-          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    print(f"{head}; shares are of models whose eager forward runs; "
+          + ", ".join(f"{k} {v}" for k, v in (found or versions()).items()))
     partial = [f"{r['family']}/{r['model']}" for r in rows if r["ampaudit"]
                and any(n.startswith("shapes unknown") for n in r["notes"])]
     if partial:
         print(f"{len(partial)} complete audit(s) with nodes of unknown shape: {', '.join(partial)}")
     for line in bad:
         print(f"incomplete audit: {line}")
-    if args.calibrate:
-        eager = [r for r in rows if r["eager"]]
-        calibrated = [r for r in eager if (r.get("detail") or {}).get("calibrate")]
-        print(f"check --calibrate completed on {len(calibrated)}/{len(eager)} models")
-        for r in eager:
+    for r in rows:
+        for stage, detail in (r.get("detail") or {}).items():
+            for alarm in detail.get("alarms") or []:
+                print(f"alarm ({stage}): {r['family']}/{r['model']}: {alarm}")
+    tried = [r for r in rows if r["eager"] and r.get("calibrate") is not None]
+    if tried:
+        calibrated = [r for r in tried if (r.get("detail") or {}).get("calibrate")]
+        print(f"check --calibrate completed on {len(calibrated)}/{len(tried)} models")
+        for r in tried:
             if r not in calibrated:
                 print(f"incomplete calibration: {r['family']}/{r['model']}: {r['errors'].get('calibrate', 'not run')}")
-        bad = bad or len(calibrated) < len(eager)
+        bad = bad or len(calibrated) < len(tried)
     return 1 if bad else 0
 
 

@@ -22,7 +22,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 from torch import nn
 
-FAMILIES = ("torchvision-cls", "torchvision-det", "torchvision-seg", "timm", "transformers")
+from coverage_diffusers import DIFFUSERS_MODELS, build_diffusers
+
+FAMILIES = ("torchvision-cls", "torchvision-det", "torchvision-seg", "torchvision-video", "torchvision-flow", "timm",
+            "transformers", "transformers-all", "diffusers")
 
 # Detection models at a small image size and with few proposals and detections: the forward stays a few seconds
 # on CPU, and every branch (RPN, NMS, RoI heads, mask/keypoint heads) still runs. (name prefix, extra kwargs)
@@ -35,6 +38,13 @@ DET_KWARGS = (
 )
 DET_IMAGE = (3, 120, 160)
 CLS_INPUT = (1, 3, 224, 224)
+# Video clips (batch, channels, frames, height, width): the smallest each family's fixed pooling or positional
+# tables accept (S3D pools a (2, 7, 7) window after 8x temporal and 32x spatial strides; MViT's positional tables
+# are 16 x 224 x 224); the others pool adaptively (Swin3D pads to its windows), so 4 x 56 x 56 clips: fp16 conv3d
+# on CPU, which --calibrate runs, is a slow reference kernel. Optical flow: two frames whose side is a multiple
+# of 8, 4 levels of RAFT's pyramid deep.
+VIDEO_INPUTS = (("s3d", (1, 3, 16, 224, 224)), ("mvit", (1, 3, 16, 224, 224)), ("", (1, 3, 4, 56, 56)))
+FLOW_IMAGE = (1, 3, 128, 128)
 
 # Name fragments of small timm variants, most preferred first: the benchmark takes the smallest-sounding models
 # of each timm module, so it spans architectures rather than sizes of one.
@@ -153,8 +163,12 @@ _LISTERS = {
     "torchvision-cls": lambda: _tv_list(None),
     "torchvision-det": lambda: _tv_list("detection"),
     "torchvision-seg": lambda: _tv_list("segmentation"),
+    "torchvision-video": lambda: _tv_list("video"),
+    "torchvision-flow": lambda: _tv_list("optical_flow"),
     "timm": _timm_list,
     "transformers": lambda: list(HF_MODELS),
+    "transformers-all": lambda: _hf_all()[0](),
+    "diffusers": lambda: list(DIFFUSERS_MODELS),
 }
 
 
@@ -184,6 +198,40 @@ def _tv_det(name: str, device: str) -> Built:
     with _on(device):
         model = tv.models.get_model(name, weights=None, weights_backbone=None, **extra)
     return Built(model, ([torch.rand(*DET_IMAGE, device=device)],), device=device)
+
+
+def _tv_video(name: str, device: str) -> Built:
+    tv = _torchvision()
+    shape = next(shape for prefix, shape in VIDEO_INPUTS if name.startswith(prefix))
+    with _on(device):
+        model = tv.models.get_model(name, weights=None)
+    return Built(model, (torch.randn(*shape, device=device),), device=device)
+
+
+def _tv_flow(name: str, device: str) -> Built:
+    tv = _torchvision()
+    with _on(device):
+        model = tv.models.get_model(name, weights=None)
+    return Built(model, (torch.rand(*FLOW_IMAGE, device=device), torch.rand(*FLOW_IMAGE, device=device)),
+                 device=device)
+
+
+def _hf_all():
+    _torchvision()   # transformers imports torchvision when it is installed
+    from coverage_hf import build_hf_all, hf_all_names
+
+    return hf_all_names, build_hf_all
+
+
+def _hf_any(name: str, device: str) -> Built:
+    model, kwargs = _hf_all()[1](name, device)
+    return Built(model, (), kwargs, device)
+
+
+def _diffusers(name: str, device: str) -> Built:
+    _torchvision()
+    model, kwargs = build_diffusers(name, device)
+    return Built(model, (), kwargs, device)
 
 
 def _timm(name: str, device: str) -> Built:
@@ -225,6 +273,10 @@ _BUILDERS = {
     "torchvision-cls": _tv_cls,
     "torchvision-det": _tv_det,
     "torchvision-seg": _tv_seg,
+    "torchvision-video": _tv_video,
+    "torchvision-flow": _tv_flow,
     "timm": _timm,
     "transformers": _hf,
+    "transformers-all": _hf_any,
+    "diffusers": _diffusers,
 }

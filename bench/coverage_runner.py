@@ -88,12 +88,36 @@ def _export(built) -> dict:
     return {"ok": True, "nodes": len(program.graph.nodes)}
 
 
+# Findings a model that trains fine under AMP should not get (bench/accuracy.py's PRECISION and MEASURED families):
+# the rows keep the first few in full, so every one on a real model can be judged true or false.
+ALARM_FAMILIES = ("sensitive-op", "normalization", "constant", "divergence", "range", "nonfinite")
+KEPT_ALARMS = 8
+
+
+def alarms(report) -> list[str]:
+    """``rule severity module (file:line): message`` of the report's first warnings and errors in ALARM_FAMILIES."""
+    out = []
+    for f in report.findings:
+        if f.family in ALARM_FAMILIES and f.severity in ("warning", "error") and len(out) < KEPT_ALARMS:
+            where = f" ({f.location['file'].rsplit('/', 1)[-1]}:{f.location['line']})" if f.location else ""
+            out.append(f"{f.rule} {f.severity} {f.module}{where}: {' '.join(f.message.split())[:200]}")
+    return out
+
+
+def _counts(report) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for f in report.findings:
+        key = f"{f.rule}|{f.family}|{f.severity}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def _ampaudit(built) -> dict:
     import ampaudit
 
     report = ampaudit.check(built.model, *built.args, **built.kwargs)
-    return {"ok": True, "capture": report.capture, "findings": len(report.findings),
-            "notes": [n for n in report.notes if not n.startswith("calibrated")][:4]}
+    return {"ok": True, "capture": report.capture, "findings": len(report.findings), "counts": _counts(report),
+            "alarms": alarms(report), "notes": [n for n in report.notes if not n.startswith("calibrated")][:4]}
 
 
 def verdict(report) -> dict:
@@ -104,10 +128,7 @@ def verdict(report) -> dict:
 
     from ampaudit.report.console import render_report
 
-    counts: dict[str, int] = {}
-    for f in report.findings:
-        key = f"{f.rule}|{f.family}|{f.severity}"
-        counts[key] = counts.get(key, 0) + 1
+    counts = _counts(report)
     console = Console(width=120, file=io.StringIO(), color_system=None)
     render_report(report, console)
     return {"counts": counts, "lines": console.file.getvalue().count("\n"), "worst": report.worst()}
@@ -132,7 +153,7 @@ def _calibrate(built) -> dict:
         built = build(built.spec, "cpu")
         model = built.model
     report = ampaudit.check(model, *built.args, calibrate=True, **built.kwargs)
-    return {"ok": True, "capture": report.capture, **verdict(report),
+    return {"ok": True, "capture": report.capture, **verdict(report), "alarms": alarms(report),
             "notes": [n for n in report.notes if "skipped" in n][:4]}
 
 
@@ -145,15 +166,15 @@ def _preload(families: tuple[str, ...] | None) -> None:
 
     import ampaudit  # noqa: F401
 
-    wanted = set(families or ("torchvision", "timm", "transformers"))
+    wanted = set(families or ("torchvision", "timm", "transformers", "diffusers"))
     try:
-        if wanted - {"transformers"}:
-            import_torchvision()
+        import_torchvision()   # timm, transformers and diffusers import torchvision when it is installed
         if "timm" in wanted:
             import timm  # noqa: F401
-        if "transformers" in wanted:
-            import_torchvision()   # transformers imports torchvision when it is installed
+        if wanted & {"transformers", "transformers-all", "diffusers"}:
             import transformers  # noqa: F401
+        if "diffusers" in wanted:
+            import diffusers  # noqa: F401
     except Exception:   # noqa: BLE001 - a library that fails to import fails its own models, not the worker
         pass
 
@@ -235,9 +256,10 @@ def _record(row: dict, stage: str, result: dict) -> None:
     if stage == "ampaudit" and result.get("ok"):
         row["capture"], row["findings"] = result["capture"], result["findings"]
         row["notes"].extend(result.get("notes") or [])
+        row.setdefault("detail", {})["check"] = {k: result[k] for k in ("counts", "alarms") if k in result}
     if stage in ("audit", "calibrate") and result.get("ok"):
-        row["capture"] = result["capture"]
-        row.setdefault("detail", {})[stage] = {k: result[k] for k in ("counts", "lines", "worst", "notes")
+        row["capture"] = row["capture"] or result["capture"]
+        row.setdefault("detail", {})[stage] = {k: result[k] for k in ("counts", "lines", "worst", "notes", "alarms")
                                                if k in result}
 
 

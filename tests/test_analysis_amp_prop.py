@@ -54,6 +54,27 @@ def test_meta_model_mismatch_is_an_input_error_too():
         ampaudit.check(model, torch.randn(2, 7))
 
 
+class StrayCpuParamNet(nn.Module):
+    """Built under a meta device context, but its first parameter is made by torch.Tensor(), which stays on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Parameter(torch.Tensor(8).uniform_())   # unused by forward, as a masking embedding at eval
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x), dim=-1)
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_a_meta_model_with_one_stray_cpu_parameter_is_audited_on_meta(mode):
+    with torch.device("meta"):
+        model = StrayCpuParamNet()
+    assert model.spare.device.type == "cpu" and model.fc.weight.is_meta
+    report = ampaudit.check(model, torch.randn(2, 8, device="meta"), capture_mode=mode)
+    assert report.capture == mode
+
+
 def test_ops_without_a_fake_kernel_leave_shapes_unknown_without_an_error():
     report = ampaudit.check(NoKernelNet(), torch.randn(8, 8), capture_mode="fx")
     assert any("shapes unknown" in n for n in report.notes), report.notes

@@ -139,3 +139,87 @@ def test_a_family_whose_library_is_missing_is_a_one_line_error():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: the torchvision-cls family needs torchvision: pip install -e '.[bench]' torch==<the installed torch>"]
+
+
+def _timed(family, model, capture, check, export, calibrate=None, counts=None, eager=True):
+    row = _row(family, model, eager=eager, capture=capture, seconds=check, export=export is not None)
+    row["seconds"]["export"] = export
+    row["detail"] = {"check": {"counts": counts or {}}}
+    if calibrate is not None:
+        row["calibrate"] = calibrate
+        if calibrate:
+            row["detail"]["calibrate"] = {"counts": {}}
+    return row
+
+
+def test_timing_table_ratios_are_against_plain_export_and_alarms_count_only_precision_warnings():
+    rows = [
+        _timed("diffusers", "a", "export", 2.0, 1.0, calibrate=True,
+               counts={"AMP301|sensitive-op|warning": 2, "AMP301|sensitive-op|info": 5, "AMP401|alignment|warning": 1}),
+        _timed("diffusers", "b", "export", 6.0, 2.0, calibrate=False),
+        _timed("diffusers", "c", "dispatch", 9.0, None),     # export failed: no ratio
+    ]
+    assert [cov.bare_ratio(r) for r in rows] == [2.0, 3.0, None]
+    assert cov.precision_alarms(rows[0]) == 2
+    line = {l[0]: l for l in cov.timing_table(rows)}["diffusers"]
+    assert line == ["diffusers", "100.0% (3/3)", "6.00", "9.00", "2.50", "3.00", "2 / 0", "1/2"]
+
+
+def test_build_failures_group_by_reason_without_the_model_specific_parts():
+    rows = [_row("transformers-all", m, eager=False, fx=None, export=None, ampaudit=None) for m in "xyz"]
+    rows[0]["errors"]["eager"] = "meta: RuntimeError: a | cpu: TypeError: Bros2Model() needs 1 input: 'bbox'"
+    rows[1]["errors"]["eager"] = "meta: RuntimeError: b | cpu: TypeError: Bros3Model() needs 2 input: \"ids\""
+    rows[2]["errors"]["eager"] = "cpu: KeyError: 'rope_type'"
+    rows.append(_row("transformers-all", "w", eager=False, fx=None, export=None, ampaudit=None))
+    rows[3]["errors"]["eager"] = "cpu: TypeError: GroundingDinoModel.forward() missing 1 required argument: 'ids'"
+    rows.append(_row("transformers-all", "v", eager=False, fx=None, export=None, ampaudit=None))
+    rows[4]["errors"]["eager"] = "cpu: TypeError: Blip2QFormerModel.forward() missing 1 required argument: 'q'"
+    assert cov.build_failures(rows) == [(2, "TypeError: BrosNModel() needs N input: '_'", ["x", "y"]),
+                                        (2, "TypeError: forward() missing N required argument: '_'", ["w", "v"]),
+                                        (1, "KeyError: '_'", ["z"])]
+
+
+def test_shards_partition_the_selection():
+    args = cov.parse_args(["--families", "diffusers"])
+    full = [s["name"] for s in cov.select(args)]
+    parts = []
+    for i in (1, 2, 3):
+        args = cov.parse_args(["--families", "diffusers", "--shard", f"{i}/3"])
+        parts.extend(s["name"] for s in cov.select(args))
+    assert sorted(parts) == sorted(full) and len(full) == 7
+
+
+def test_transformers_configs_shrink_by_name_and_keep_special_tokens_inside_the_vocab():
+    transformers = pytest.importorskip("transformers")
+    from coverage_hf import shrink
+
+    config = transformers.PretrainedConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                           intermediate_size=11008, head_dim=128, vocab_size=152064,
+                                           image_token_id=151655, depths=[3, 4, 6, 3], hidden_sizes=[256, 2048],
+                                           max_position_embeddings=32768)
+    config.vision_config = transformers.PretrainedConfig(hidden_size=1152, num_hidden_layers=27)
+    shrink(config)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (32, 2, 2)
+    assert (config.intermediate_size, config.head_dim) == (64, 16)
+    assert config.vocab_size == 151656                     # the image token must stay a valid id
+    assert config.depths == [1, 1, 1, 1] and config.hidden_sizes == [8, 64]
+    assert config.max_position_embeddings == 32768          # not a size of the weights: left alone
+    assert (config.vision_config.hidden_size, config.vision_config.num_hidden_layers) == (32, 2)
+
+
+def test_merge_lays_a_calibration_pass_over_the_static_rows(tmp_path, capsys):
+    static = _timed("diffusers", "a", "export", 2.0, 1.0)
+    static["calibrate"] = None
+    later = {**_row("diffusers", "a", fx=None, export=None, ampaudit=None), "calibrate": True,
+             "seconds": {"eager": 0.1, "calibrate": 4.0}, "errors": {},
+             "detail": {"calibrate": {"counts": {}, "alarms": ["AMP301 warning head: softmax in fp16"]}}}
+    for name, rows in (("s.json", [static]), ("c.json", [later])):
+        (tmp_path / name).write_text(json.dumps({"meta": {"versions": {"torch": "x"}}, "rows": rows}))
+    [row] = cov.merge([tmp_path / "s.json", tmp_path / "c.json"])
+    assert row["ampaudit"] is True and row["export"] is True and row["calibrate"] is True
+    assert row["seconds"]["calibrate"] == 4.0 and row["seconds"]["export"] == 1.0
+    assert set(row["detail"]) == {"check", "calibrate"}
+    assert cov.main(["--merge", str(tmp_path / "s.json"), str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "check --calibrate completed on 1/1 models" in out and "torch x" in out
+    assert "alarm (calibrate): diffusers/a: AMP301 warning head: softmax in fp16" in out

@@ -140,9 +140,12 @@ class AmpProp(fx.Interpreter):
         return self.module
 
     def _param_device(self) -> torch.device:
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            return t.device
-        return torch.device("cpu")
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        # A model built under `with torch.device("meta")` can still hold a CPU tensor (torch.Tensor(n) ignores the
+        # device context; wav2vec2's masked_spec_embed is one): its meta weights have no data to copy, so meta wins.
+        if any(t.is_meta for t in tensors):
+            return torch.device("meta")
+        return tensors[0].device if tensors else torch.device("cpu")
 
     def _bind(self, placeholders: list[fx.Node], args: tuple, kwargs: dict) -> list:
         values = list(args)

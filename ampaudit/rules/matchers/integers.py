@@ -91,7 +91,12 @@ def _constant(ctx: MatchContext, node: fx.Node, limit: int) -> torch.Tensor | No
     if type(obj) is not torch.Tensor or obj.numel() == 0 or obj.numel() > limit or obj.is_complex():
         return None  # fake, subclassed or empty tensors have no data to read here
     data = obj.detach().to("cpu", torch.float64)
-    return data if bool(torch.all(data == data.round())) else None
+    return data if _integers(data) else None
+
+
+def _integers(v: torch.Tensor) -> bool:
+    # inf == inf.round(): a mask of -inf (Longformer's torch.full_like(x, -inf)) is no counter, and is exact in fp16.
+    return bool(torch.all(torch.isfinite(v) & (v == v.round())))
 
 
 def fold_integers(ctx: MatchContext, cfg: dict) -> dict[fx.Node, torch.Tensor]:
@@ -125,7 +130,7 @@ def fold_integers(ctx: MatchContext, cfg: dict) -> dict[fx.Node, torch.Tensor]:
         if not isinstance(out, torch.Tensor) or out.is_complex() or tuple(out.shape) != tuple(info.shape):
             continue
         out = out.to(torch.float64)
-        if bool(torch.all(out == out.round())):
+        if _integers(out):
             values[node] = out
     return values
 
