@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from ampaudit.cli.app import app, cli_errors, split_list, stdout_console
 from ampaudit.errors import UsageError
@@ -39,10 +38,10 @@ def check(
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds (a forward that hangs) [0: no limit].")] = 600.0,
 ) -> None:
     """Audit a model for mixed-precision hazards: alignment, precision-sensitive ops, norms, constants."""
-    from ampaudit.api import check as run_check
     from ampaudit.config import load_config
-    from ampaudit.loading import load_target
+    from ampaudit.target_path import model_file
 
+    model_file(target)      # a missing file is refused before torch loads
     target_path = Path(target)
     cfg = load_config(start=target_path.parent if target.endswith(".py") else None)
     device = device or cfg.get("device", "cuda")
@@ -56,14 +55,20 @@ def check(
     sel = split_list(select) or cfg.get("select")
     ign = split_list(ignore) or cfg.get("ignore")
     rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
-
-    from ampaudit.policy import Policy
-
-    Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
     if batch is not None and batch < 1:
         raise UsageError(f"--batch must be >= 1, got {batch}", hint="the per-rank micro-batch, e.g. --batch 32")
     if calibrate_batches and not calibrate:
         raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
+
+    from ampaudit.api import check as run_check
+    from ampaudit.loading import load_target
+    from ampaudit.policy import Policy
+    from ampaudit.rules.loader import load_rules, validate_selectors
+
+    Policy.load(device, dtype)  # bad --device/--dtype and --select/--ignore fail before the model file runs
+    known = load_rules(rule_dirs)
+    validate_selectors(known, sel, "--select")
+    validate_selectors(known, ign, "--ignore")
     from ampaudit.analysis.calibrate import calibration_data
     from ampaudit.timeout import time_limit
 
@@ -77,6 +82,8 @@ def check(
 
     if fmt == "table":
         if output:
+            from rich.console import Console
+
             console = Console(record=True, width=120, file=io.StringIO())
             _render(report, console, why)
             _write(output, console.export_text())
@@ -103,7 +110,7 @@ def check(
         raise typer.Exit(1)
 
 
-def _render(report, console: Console, why: bool) -> None:
+def _render(report, console, why: bool) -> None:
     from ampaudit.report.console import render_report
 
     render_report(report, console, show_why=why)

@@ -22,7 +22,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
-import torch
 import typer
 
 from ampaudit.cli.app import app, cli_errors
@@ -61,7 +60,7 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
 
         # Measured on the first batches of train_data(); measuring changes nothing in the model.
         data = make_plan(loaded.model, batches_from(loaded, 4), loss_fn=loaded.hook("loss_fn"), pad=pad).to_dict()
-    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = device or _default_device()
     chosen = apply_plan(loaded.model, data, device=target, pad=pad)
     padded = chosen.get("padded") or {}
     from collections import Counter
@@ -80,7 +79,15 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
     return "bfloat16"
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _save_weights(state: dict, path: Path) -> None:
+    import torch
+
     atomic_write(path, lambda fh: torch.save(state, fh))
 
 
@@ -146,6 +153,9 @@ def train(
     flags = {k: v for k, v in locals().items() if k not in ("ctx", "target", "entry", "config", "preflight_only")}
     cfg = _settings(ctx, flags, config)
     _check(cfg, preflight_only)
+    from ampaudit.target_path import model_file
+
+    model_file(target)      # a missing file is refused before torch loads
     from ampaudit.loading import load_target
 
     chosen = _default_dtype(cfg)
@@ -196,8 +206,16 @@ def _settings(ctx: typer.Context, flags: dict, path: Path | None) -> TrainConfig
     return cfg
 
 
+# --dtype's words (dtypes.NAMES' aliases of the training dtypes, and float8, which plans first), checked here
+# so that a misspelt one is refused before torch loads; tests/test_cli_fast.py keeps the two in step.
+DTYPE_WORDS = ("float16", "half", "fp16", "bfloat16", "bf16", "float32", "float", "fp32", "float8")
+
+
 def _check(cfg: TrainConfig, preflight_only: bool) -> None:
-    """Refuse flags that need another one, before the model file is loaded."""
+    """Refuse a bad --dtype and flags that need another one, before the model file (and torch) is loaded."""
+    if isinstance(cfg.dtype, str) and cfg.dtype.strip().lower().replace("torch.", "") not in DTYPE_WORDS:
+        raise UsageError(f"unsupported training dtype {cfg.dtype!r}",
+                         hint="use --dtype float16, bfloat16, float8 or float32")
     if (cfg.steps is None) == (cfg.epochs is None) and not preflight_only:
         raise UsageError("give --steps N or --epochs E", hint="e.g. ampaudit train model.py --steps 1000")
     if cfg.tensorboard is not None:
@@ -226,7 +244,7 @@ def _default_dtype(cfg: TrainConfig) -> str | None:
         return None
     from ampaudit.machine.train_dtype import default_train_dtype
 
-    cfg.dtype, why = default_train_dtype(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg.dtype, why = default_train_dtype(cfg.device or _default_device())
     # the device's answer is news; the caller's own setting is not
     return None if why.startswith("set by") else f"dtype {cfg.dtype}: {why} (--dtype to choose)"
 
