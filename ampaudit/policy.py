@@ -45,6 +45,11 @@ def read_toml(path: Path) -> dict:
         raise RuleError(f"rule file not found: {path}", hint="check --rules") from exc
     except tomllib.TOMLDecodeError as exc:
         raise RuleError(f"{path.name}: invalid TOML: {exc}", hint="fix the file") from exc
+    except UnicodeDecodeError as exc:       # tomllib reads UTF-8 only; a binary file is not a rule file
+        raise RuleError(f"{path.name}: not UTF-8 text ({exc.reason} at byte {exc.start})",
+                        hint="save it as UTF-8 TOML, or move it out of the folder") from exc
+    except IsADirectoryError as exc:
+        raise RuleError(f"{path.name} is a folder, not a TOML file", hint="rename it, or move it out of the folder") from exc
 
 
 @lru_cache(maxsize=None)

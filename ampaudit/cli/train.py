@@ -26,7 +26,7 @@ import typer
 
 from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import AmpAuditError, TrainError, UsageError
-from ampaudit.fileio import atomic_write
+from ampaudit.fileio import atomic_write, writable_as
 
 if TYPE_CHECKING:      # ampaudit.train loads the trainer: only train itself imports it
     from ampaudit.train.config import TrainConfig
@@ -221,6 +221,7 @@ def _check(cfg: TrainConfig, preflight_only: bool) -> None:
     if cfg.tensorboard is not None:
         if cfg.trace is None:
             raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
+        writable_as("--tensorboard", cfg.tensorboard, folder=True)     # not found out when training ends
         from ampaudit.integrations import require
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     if cfg.divergence_every is not None and cfg.trace is None:
