@@ -21,6 +21,9 @@ CASES = {
     ("check", MLP, "--format", "xml"): (2, "unknown --format 'xml'"),
     ("report", "missing.jsonl"): (2, "missing.jsonl"),
     ("doctor", "--format", "xml"): (2, "unknown --format 'xml'"),
+    ("check", MLP, "--select", "AMP999"): (2, "--select 'AMP999' matches no rule"),
+    ("check", MLP, "--ignore", "AMP2,nonesuch"): (2, "--ignore 'nonesuch' matches no rule"),
+    ("rules", "explain", "AMP999"): (2, "unknown rule 'AMP999'"),
 }
 
 # Runs each argv through main() in one process and says, for each, its exit code, its output and whether torch
@@ -64,3 +67,10 @@ def test_train_dtype_words_are_the_training_dtypes_names():
     assert {w for w in DTYPE_WORDS if w != "float8"} == {n for n, d in NAMES.items() if d in TRAIN_DTYPES}
     assert all(parse_train_dtype(w) in TRAIN_DTYPES for w in DTYPE_WORDS if w != "float8")
     assert parse_train_dtype("bf16") is torch.bfloat16
+
+
+def test_the_rule_index_agrees_with_the_loaded_rules():
+    from ampaudit.rule_index import rule_keys
+    from ampaudit.rules.loader import load_rules
+
+    assert sorted(rule_keys()) == sorted((r.id, r.name, r.family) for r in load_rules())

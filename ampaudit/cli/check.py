@@ -60,15 +60,16 @@ def check(
     if calibrate_batches and not calibrate:
         raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
 
+    from ampaudit.rule_index import rule_keys, validate_selectors
+
+    known = rule_keys(rule_dirs)        # a typo in --select/--ignore is refused before torch loads
+    validate_selectors(known, sel, "--select")
+    validate_selectors(known, ign, "--ignore")
     from ampaudit.api import check as run_check
     from ampaudit.loading import load_target
     from ampaudit.policy import Policy
-    from ampaudit.rules.loader import load_rules, validate_selectors
 
-    Policy.load(device, dtype)  # bad --device/--dtype and --select/--ignore fail before the model file runs
-    known = load_rules(rule_dirs)
-    validate_selectors(known, sel, "--select")
-    validate_selectors(known, ign, "--ignore")
+    Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
     from ampaudit.analysis.calibrate import calibration_data
     from ampaudit.timeout import time_limit
 
