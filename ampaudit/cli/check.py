@@ -48,23 +48,10 @@ def check(
     dtype = dtype or cfg.get("dtype", "float16")
     fmt = format or cfg.get("format", "table")
     fail = fail_on or cfg.get("fail_on", "warning")
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
-    if fail not in FAIL_ON:
-        raise UsageError(f"unknown --fail-on {fail!r}", hint=f"use one of {', '.join(FAIL_ON)}")
     sel = split_list(select) or cfg.get("select")
     ign = split_list(ignore) or cfg.get("ignore")
     rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
-    if batch is not None and batch < 1:
-        raise UsageError(f"--batch must be >= 1, got {batch}", hint="the per-rank micro-batch, e.g. --batch 32")
-    if calibrate_batches and not calibrate:
-        raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
-
-    from ampaudit.rule_index import rule_keys, validate_selectors
-
-    known = rule_keys(rule_dirs)        # a typo in --select/--ignore is refused before torch loads
-    validate_selectors(known, sel, "--select")
-    validate_selectors(known, ign, "--ignore")
+    _refuse_bad_arguments(fmt, fail, batch, calibrate, calibrate_batches, rule_dirs, sel, ign)
     from ampaudit.api import check as run_check
     from ampaudit.loading import load_target
     from ampaudit.policy import Policy
@@ -109,6 +96,24 @@ def check(
             typer.echo(text)
     if fail != "never" and report.at_or_above(fail):
         raise typer.Exit(1)
+
+
+def _refuse_bad_arguments(fmt: str, fail: str, batch: int | None, calibrate: bool, calibrate_batches: int,
+                          rule_dirs: list[str], sel: list[str] | None, ign: list[str] | None) -> None:
+    """A UsageError (or RuleError) for a bad option, before torch loads: a usage error answers at once."""
+    from ampaudit.rule_index import rule_keys, validate_selectors
+
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
+    if fail not in FAIL_ON:
+        raise UsageError(f"unknown --fail-on {fail!r}", hint=f"use one of {', '.join(FAIL_ON)}")
+    if batch is not None and batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {batch}", hint="the per-rank micro-batch, e.g. --batch 32")
+    if calibrate_batches and not calibrate:
+        raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
+    known = rule_keys(rule_dirs)        # the rule files' ids, names and families: no matcher, no torch
+    validate_selectors(known, sel, "--select")
+    validate_selectors(known, ign, "--ignore")
 
 
 def _render(report, console, why: bool) -> None:
