@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import SAMPLES
 
 MLP = str(SAMPLES / "clean_mlp.py")
@@ -44,6 +46,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_usage_errors_help_and_version_do_not_import_torch(tmp_path):
     argvs = [list(a) for a in CASES]
     r = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(argvs)], capture_output=True, text=True,

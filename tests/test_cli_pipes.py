@@ -31,6 +31,7 @@ def _into_head(*args: str) -> tuple[int, str, str]:
     return proc.wait(timeout=120), first, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("check", "--help"), ("--help",)])
 def test_help_into_a_closed_pipe_is_quiet(args):
     # rich meets the broken pipe while typer prints the help
@@ -52,6 +53,7 @@ def test_head_takes_a_line_and_the_rest_is_quiet():
     assert code in (0, PIPE_GONE) and err == ""     # 0 when every line was written before head left
 
 
+@pytest.mark.slow
 def test_a_finished_command_whose_reader_left_keeps_its_exit_code():
     # the output fit in the pipe before the reader closed it: nothing was lost, so the command's own code stands
     code = subprocess.run([sys.executable, "-c", "import os; r, w = os.pipe(); os.dup2(w, 1); os.close(r); "
