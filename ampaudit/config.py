@@ -42,7 +42,7 @@ def load_config(start: Path | None = None, path: Path | None = None) -> dict:
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:     # tomllib reads UTF-8 only
         raise ConfigError(f"{path}: invalid TOML: {exc}", hint="fix pyproject.toml") from exc
     table = data.get("tool", {}).get("ampaudit", {})
     if not isinstance(table, dict):

@@ -4,6 +4,7 @@
     atomic_write_bytes(path, data, hint="choose a writable path for --html")
     atomic_write(path, lambda fh: torch.save(state, fh), error=TrainError)     # streaming, for checkpoints
     read_only(path)          # True for a file nobody may write (444) or this user may not: fix --write refuses it
+    writable_as("--html", path, folder=False)   # a UsageError now, when the path is a folder, not after the work
 
 The one writer of every file ampaudit leaves behind: checkpoints, traces' summaries, reports, fix outputs. A file
 that is replaced keeps its permission bits (a 755 script stays executable, a 444 file read-only) and, where this
@@ -53,6 +54,16 @@ def _take_mode(tmp: str, before: os.stat_result | None) -> None:
             os.chown(tmp, before.st_uid, before.st_gid)
         except OSError:
             pass        # another user's file: only root may give it back; the mode is kept all the same
+
+
+def writable_as(flag: str, path: str | os.PathLike, *, folder: bool) -> None:
+    """A UsageError when output ``path`` (given as ``flag``) is the wrong kind of thing to write: a folder where a
+    file goes, or a file where a folder of logs goes. Called before the work, so that it is not lost at its end."""
+    p = Path(path)
+    if folder and p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {p} is a file, not a folder", hint=f"name a folder for {flag}, e.g. {flag} runs/amp")
+    if not folder and p.is_dir():
+        raise UsageError(f"{flag} {p} is a folder, not a file", hint=f"name the file to write, e.g. {flag} {p / 'run.html'}")
 
 
 def read_only(path: str | os.PathLike) -> bool:

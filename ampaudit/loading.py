@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ampaudit.dtypes import NAMES, by_name
 from ampaudit.errors import InputError, ModelLoadError
+from ampaudit.target_path import check_model_file, looks_like_file
 
 PREFERRED_ENTRIES = ("build_model", "model")
 INPUT_HOOK = "example_inputs"
@@ -66,12 +67,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def _exec_file(path: Path) -> dict:
-    if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}", hint="check the path, or use pkg.module:factory")
-    if path.is_dir():
-        raise ModelLoadError(f"{path} is a directory, not a model file", hint="pass the .py file that builds the model")
-    if path.suffix != ".py":
-        raise ModelLoadError(f"{path} is not a Python file", hint="pass a .py model file, or pkg.module:factory")
+    check_model_file(path)
     source = path.read_text(encoding="utf-8", errors="replace")
     try:
         code = compile(source, str(path), "exec")
@@ -238,8 +234,7 @@ def load_target(target: str, *, entry: str | None = None, inputs: list[str] | No
     """Load ``target`` (a ``.py`` path or ``pkg.module[:factory]``) under the model-file protocol."""
     target = str(target)
     path: Path | None = None
-    looks_like_file = target.endswith(".py") or "/" in target or "\\" in target or Path(target).exists()
-    if looks_like_file:
+    if looks_like_file(target):
         path = Path(target).expanduser().resolve()
         ns = _exec_file(path)
         display = Path(target).name

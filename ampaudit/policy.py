@@ -10,7 +10,6 @@ The tables live in ``rules/policy/<device>.toml`` and ``rules/policy/ops.toml``;
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -20,31 +19,13 @@ import torch
 # DTypeLimits, unit_roundoff and low_dtype live in ampaudit.dtypes; imported from here by older callers.
 from ampaudit.dtypes import DTypeLimits, dtype_of, limits, low_dtype, name_of, short_name, unit_roundoff  # noqa: F401
 from ampaudit.errors import RuleError, UsageError
+# rules_dir and read_toml live in ampaudit.datafiles (no torch); imported from here by older callers.
+from ampaudit.datafiles import read_toml, rules_dir  # noqa: F401
 
 DEVICES = ("cuda", "cpu")
 # check's targets: float8 runs its non-GEMM ops in bf16.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
 CATEGORIES = ("lower", "fp32", "fp32_output", "promote", "banned")
-
-
-def rules_dir() -> Path:
-    """The packaged rules/ folder (inside the wheel) or the repository's rules/ (source checkout, editable)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_rules", here.parent / "rules"):
-        if (candidate / "policy" / "ops.toml").is_file():
-            return candidate
-    raise RuleError("ampaudit's rules/ data folder is missing", hint="reinstall ampaudit")
-
-
-def read_toml(path: Path) -> dict:
-    """Parse a TOML file; a syntax error becomes a RuleError naming the file and line."""
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise RuleError(f"rule file not found: {path}", hint="check --rules") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise RuleError(f"{path.name}: invalid TOML: {exc}", hint="fix the file") from exc
 
 
 @lru_cache(maxsize=None)

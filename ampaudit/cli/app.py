@@ -107,7 +107,7 @@ def cli_errors(fn: F) -> F:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, SystemExit):
+        except (typer.Exit, typer.Abort, SystemExit, BrokenPipeError):   # the reader left: main() ends quietly
             raise
         except (AmpAuditError, TimeLimitExceeded) as exc:
             if _debug():
@@ -174,20 +174,33 @@ def _click():
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point. Usage errors are one ``error:`` line on stderr and exit 2, as ours are."""
+    """Console-script entry point. Usage errors are one ``error:`` line on stderr and exit 2, as ours are; a
+    reader that leaves early (``| head``) ends it quietly with 141 (:mod:`ampaudit.cli.pipes`)."""
+    from ampaudit.cli.pipes import PipeWatch
+
+    watch = PipeWatch()
+    try:
+        code = _run(list(argv if argv is not None else sys.argv[1:]))
+    except BrokenPipeError:
+        sys.exit(watch.exit_code(1, broke=True))
+    except SystemExit as exc:       # rich and typer exit 1 on a broken pipe
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    sys.exit(watch.exit_code(code))
+
+
+def _run(args: list[str]) -> int:
     click = _click()
     from ampaudit.cli import commands  # noqa: F401  registers every command on `app`
 
-    args = bare_values(list(argv if argv is not None else sys.argv[1:]))
     try:
-        code = app(args=args, prog_name="ampaudit", standalone_mode=False)
+        code = app(args=bare_values(args), prog_name="ampaudit", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:   # a bare command: its help, as click would print it
         typer.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
         code = 0
     except click.exceptions.UsageError as exc:
         typer.echo(f"error: {_usage_line(exc)}", err=True)
         code = 2
-    except click.exceptions.Abort:
+    except typer.Abort:     # typer's own Abort: its click copy has none
         typer.echo("error: interrupted", err=True)
         code = 130
-    sys.exit(code if isinstance(code, int) else 0)
+    return code if isinstance(code, int) else 0

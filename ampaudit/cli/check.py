@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from ampaudit.cli.app import app, cli_errors, split_list, stdout_console
 from ampaudit.errors import UsageError
@@ -39,31 +38,25 @@ def check(
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds (a forward that hangs) [0: no limit].")] = 600.0,
 ) -> None:
     """Audit a model for mixed-precision hazards: alignment, precision-sensitive ops, norms, constants."""
-    from ampaudit.api import check as run_check
     from ampaudit.config import load_config
-    from ampaudit.loading import load_target
+    from ampaudit.target_path import model_file
 
+    model_file(target)      # a missing file is refused before torch loads
     target_path = Path(target)
     cfg = load_config(start=target_path.parent if target.endswith(".py") else None)
     device = device or cfg.get("device", "cuda")
     dtype = dtype or cfg.get("dtype", "float16")
     fmt = format or cfg.get("format", "table")
     fail = fail_on or cfg.get("fail_on", "warning")
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
-    if fail not in FAIL_ON:
-        raise UsageError(f"unknown --fail-on {fail!r}", hint=f"use one of {', '.join(FAIL_ON)}")
     sel = split_list(select) or cfg.get("select")
     ign = split_list(ignore) or cfg.get("ignore")
     rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
-
+    _refuse_bad_arguments(fmt, fail, batch, calibrate, calibrate_batches, rule_dirs, sel, ign)
+    from ampaudit.api import check as run_check
+    from ampaudit.loading import load_target
     from ampaudit.policy import Policy
 
     Policy.load(device, dtype)  # bad --device/--dtype fail before the model file runs
-    if batch is not None and batch < 1:
-        raise UsageError(f"--batch must be >= 1, got {batch}", hint="the per-rank micro-batch, e.g. --batch 32")
-    if calibrate_batches and not calibrate:
-        raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
     from ampaudit.analysis.calibrate import calibration_data
     from ampaudit.timeout import time_limit
 
@@ -84,6 +77,8 @@ def _emit(report, fmt: str, output: Path | None, why: bool, rule_dirs: list[str]
     """Print ``report`` in ``fmt`` (table, json, github, sarif), or write it to ``output``."""
     if fmt == "table":
         if output:
+            from rich.console import Console
+
             console = Console(record=True, width=120, file=io.StringIO())
             _render(report, console, why)
             _write(output, console.export_text())
@@ -108,7 +103,25 @@ def _emit(report, fmt: str, output: Path | None, why: bool, rule_dirs: list[str]
             typer.echo(text)
 
 
-def _render(report, console: Console, why: bool) -> None:
+def _refuse_bad_arguments(fmt: str, fail: str, batch: int | None, calibrate: bool, calibrate_batches: int,
+                          rule_dirs: list[str], sel: list[str] | None, ign: list[str] | None) -> None:
+    """A UsageError (or RuleError) for a bad option, before torch loads: a usage error answers at once."""
+    from ampaudit.rule_index import rule_keys, validate_selectors
+
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown --format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
+    if fail not in FAIL_ON:
+        raise UsageError(f"unknown --fail-on {fail!r}", hint=f"use one of {', '.join(FAIL_ON)}")
+    if batch is not None and batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {batch}", hint="the per-rank micro-batch, e.g. --batch 32")
+    if calibrate_batches and not calibrate:
+        raise UsageError("--calibrate-batches needs --calibrate", hint="add --calibrate")
+    known = rule_keys(rule_dirs)        # the rule files' ids, names and families: no matcher, no torch
+    validate_selectors(known, sel, "--select")
+    validate_selectors(known, ign, "--ignore")
+
+
+def _render(report, console, why: bool) -> None:
     from ampaudit.report.console import render_report
 
     render_report(report, console, show_why=why)

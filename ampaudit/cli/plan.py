@@ -39,13 +39,9 @@ def plan(
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds [0: no limit].")] = 600.0,
 ) -> None:
     """Measure each Linear in each recipe (as torchao trains it), bf16 and fp16 on real batches, and choose."""
-    from ampaudit.analysis.calibrate import batches_from
-    from ampaudit.loading import load_target
-    from ampaudit.planning.api import plan as make_plan
-    from ampaudit.planning.choose import Budget
-    from ampaudit.planning.fp8 import import_torchao
-    from ampaudit.timeout import time_limit
+    from ampaudit.target_path import model_file
 
+    model_file(target)      # a missing file is refused before torch loads
     if dtype != "float8":
         raise UsageError(f"ampaudit plan plans float8 layers, got --dtype {dtype}",
                          hint="use --dtype float8; for fp16/bf16 hazards run ampaudit check --calibrate")
@@ -53,6 +49,13 @@ def plan(
         raise UsageError(f"unknown --format {format!r}", hint=f"use one of {', '.join(FORMATS)}")
     if recipes is not None and recipe is not None:
         raise UsageError("--recipes and --recipe both given", hint="pass the list to --recipes only")
+    from ampaudit.analysis.calibrate import batches_from
+    from ampaudit.loading import load_target
+    from ampaudit.planning.api import plan as make_plan
+    from ampaudit.planning.choose import Budget
+    from ampaudit.planning.fp8 import import_torchao
+    from ampaudit.timeout import time_limit
+
     import_torchao()                      # a missing extra fails before the model file runs
     chosen = Budget.default()
     chosen = Budget(budget if budget is not None else chosen.forward_db,

@@ -18,6 +18,7 @@ import typer
 
 from ampaudit.cli.app import app, cli_errors, stdout_console
 from ampaudit.errors import TraceError
+from ampaudit.fileio import writable_as
 
 
 @app.command()
@@ -47,19 +48,17 @@ def report(
     if html is not None:  # fail before the work, not after it
         from ampaudit.report.html import require_plotly
         require_plotly()
+        writable_as("--html", html, folder=False)
     if tensorboard is not None:
+        writable_as("--tensorboard", tensorboard, folder=True)
         from ampaudit.extras import require
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     findings = load_findings(check) if check is not None else None
+    if trace.is_dir():
+        raise TraceError(f"{trace} is a folder, not a trace", hint="pass the .jsonl file written by --trace or ampaudit.watch")
     events, problems = read_trace(trace)
-    hint = "pass the file written by --trace or ampaudit.watch"
-    if not events and not problems:
-        raise TraceError(f"trace {trace} holds no events", hint=hint)
-    if not events and not _starts_like_an_event(trace):   # a killed run's one line still begins as an event
-        raise TraceError(f"{trace} is not an ampaudit trace: its first line is not a JSON event", hint=hint)
-    if not events and len(problems) > 1:  # one bad line is a run killed at once; more is not a trace at all
-        raise TraceError(f"{trace} is not an ampaudit trace: none of its {len(problems)} lines is a JSON event",
-                         hint=hint)
+    if not events:
+        _refuse(trace, problems)
     data = collect(events)
     summary = summarize(data, problems, top=top, findings=findings, trace=str(trace))
 
@@ -83,7 +82,43 @@ def report(
         typer.echo(f"wrote {count} TensorBoard scalars to {tensorboard}", err=as_json)
 
 
-def _starts_like_an_event(path: Path) -> bool:
+def _refuse(trace: Path, problems: list[str]) -> None:
+    """A file without one event is not reported on, but one cut-off line is a run killed at its first write: say
+    which the file is (a TraceError), or return for that killed run."""
+    hint = "pass the file written by --trace or ampaudit.watch"
+    if not problems:
+        raise TraceError(f"trace {trace} holds no events", hint=hint)
+    if _holds_findings(trace):
+        raise TraceError(f"{trace} holds findings from ampaudit check, not a trace",
+                         hint=f"pass it as --check {trace} with the run's trace")
+    first = _first_line(trace)
+    if not first.lstrip().startswith("{"):
+        raise TraceError(f"{trace} is not an ampaudit trace: its first line is not a JSON event", hint=hint)
+    if len(problems) > 1:
+        raise TraceError(f"{trace} is not an ampaudit trace: none of its {len(problems)} lines is a JSON event",
+                         hint=hint)
+    if _parses(first):      # a whole JSON line, so not one a kill cut short: it is just not an event
+        raise TraceError(f"{trace} is not an ampaudit trace: its line is JSON but not an event "
+                         "(no \"event\" key)", hint=hint)
+
+
+def _first_line(path: Path) -> str:
     with open(path, encoding="utf-8", errors="replace") as fh:
-        first = next((line for line in fh if line.strip()), "")
-    return first.lstrip().startswith("{")
+        return next((line for line in fh if line.strip()), "")
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _holds_findings(path: Path) -> bool:
+    """Whether ``path`` is ``ampaudit check --format json`` output (a document with a "findings" list)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("findings"), list)

@@ -5,7 +5,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from ampaudit.cli.app import app, cli_errors, stdout_console
 
@@ -29,6 +28,8 @@ def rules_main(ctx: typer.Context, rules: RulesOpt = None) -> None:
 @cli_errors
 def list_rules(rules: RulesOpt = None) -> None:
     """List every rule: id, name, family, default severity."""
+    from rich.table import Table
+
     from ampaudit.rules.loader import load_rules
 
     table = Table("id", "name", "family", "severity", box=None)
@@ -41,9 +42,13 @@ def list_rules(rules: RulesOpt = None) -> None:
 @cli_errors
 def explain(rule_id: Annotated[str, typer.Argument(help="Rule id or name, e.g. AMP201.")], rules: RulesOpt = None) -> None:
     """What a rule checks, why it matters, and how to fix it."""
-    from ampaudit.rules.loader import find_rule, load_rules
+    from ampaudit.rule_index import find_rule, rule_keys
 
-    r = find_rule(load_rules([str(p) for p in rules or []]), rule_id)
+    folders = [str(p) for p in rules or []]
+    find_rule(rule_keys(folders), rule_id)      # an unknown id is refused before the matchers (and torch) load
+    from ampaudit.rules.loader import load_rules
+
+    r = find_rule(load_rules(folders), rule_id)
     typer.echo(f"{r.id} {r.name} ({r.family}, {r.severity})\n")
     if r.param("docs"):
         typer.echo("Checks: " + " ".join(r.params["docs"]["what"].split()))

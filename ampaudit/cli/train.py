@@ -22,12 +22,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
-import torch
 import typer
 
 from ampaudit.cli.app import app, cli_errors
 from ampaudit.errors import AmpAuditError, TrainError, UsageError
-from ampaudit.fileio import atomic_write
+from ampaudit.fileio import atomic_write, writable_as
 
 if TYPE_CHECKING:      # ampaudit.train loads the trainer: only train itself imports it
     from ampaudit.train.config import TrainConfig
@@ -61,7 +60,7 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
 
         # Measured on the first batches of train_data(); measuring changes nothing in the model.
         data = make_plan(loaded.model, batches_from(loaded, 4), loss_fn=loaded.hook("loss_fn"), pad=pad).to_dict()
-    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = device or _default_device()
     chosen = apply_plan(loaded.model, data, device=target, pad=pad)
     padded = chosen.get("padded") or {}
     from collections import Counter
@@ -80,7 +79,15 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
     return "bfloat16"
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _save_weights(state: dict, path: Path) -> None:
+    import torch
+
     atomic_write(path, lambda fh: torch.save(state, fh))
 
 
@@ -146,6 +153,9 @@ def train(
     flags = {k: v for k, v in locals().items() if k not in ("ctx", "target", "entry", "config", "preflight_only")}
     cfg = _settings(ctx, flags, config)
     _check(cfg, preflight_only)
+    from ampaudit.target_path import model_file
+
+    model_file(target)      # a missing file is refused before torch loads
     from ampaudit.loading import load_target
 
     chosen = _default_dtype(cfg)
@@ -154,16 +164,21 @@ def train(
     if cfg.plan is not None or cfg.dtype == "float8":
         cfg.dtype = _apply_plan(loaded, cfg.plan, cfg.dtype, cfg.device, cfg.pad)
     if preflight_only:
-        from ampaudit.train.preflight import preflight_only as run_checks
-
-        checks = run_checks(loaded.model, dtype=cfg.dtype, opt_level=cfg.opt_level, accum=cfg.accum, fsdp=cfg.fsdp,
-                            fsdp_wrap=cfg.fsdp_wrap, reduce_dtype=cfg.reduce_dtype, device=cfg.device,
-                            optimizer=loaded.hook("make_optimizer"), train_data=train_data)
-        raise typer.Exit(1 if any(c.status == "fail" for c in checks) else 0)
+        _preflight_only(loaded, train_data, cfg)
     trainer = _trainer(loaded, train_data, loss_fn, cfg)
     _say_start(trainer, cfg, chosen)
     result = _fit(trainer, cfg)
     _say_end(trainer, result, cfg)
+
+
+def _preflight_only(loaded, train_data, cfg: TrainConfig) -> None:
+    """``--preflight-only``: the precision preflight's lines, then exit 0, or 1 when a check failed."""
+    from ampaudit.train.preflight import preflight_only as run_checks
+
+    checks = run_checks(loaded.model, dtype=cfg.dtype, opt_level=cfg.opt_level, accum=cfg.accum, fsdp=cfg.fsdp,
+                        fsdp_wrap=cfg.fsdp_wrap, reduce_dtype=cfg.reduce_dtype, device=cfg.device,
+                        optimizer=loaded.hook("make_optimizer"), train_data=train_data)
+    raise typer.Exit(1 if any(c.status == "fail" for c in checks) else 0)
 
 
 # Flags whose config field is spelled otherwise, or whose value the field holds in another form. Every other flag
@@ -196,13 +211,22 @@ def _settings(ctx: typer.Context, flags: dict, path: Path | None) -> TrainConfig
     return cfg
 
 
+# --dtype's words (dtypes.NAMES' aliases of the training dtypes, and float8, which plans first), checked here
+# so that a misspelt one is refused before torch loads; tests/test_cli_fast.py keeps the two in step.
+DTYPE_WORDS = ("float16", "half", "fp16", "bfloat16", "bf16", "float32", "float", "fp32", "float8")
+
+
 def _check(cfg: TrainConfig, preflight_only: bool) -> None:
-    """Refuse flags that need another one, before the model file is loaded."""
+    """Refuse a bad --dtype and flags that need another one, before the model file (and torch) is loaded."""
+    if isinstance(cfg.dtype, str) and cfg.dtype.strip().lower().replace("torch.", "") not in DTYPE_WORDS:
+        raise UsageError(f"unsupported training dtype {cfg.dtype!r}",
+                         hint="use --dtype float16, bfloat16, float8 or float32")
     if (cfg.steps is None) == (cfg.epochs is None) and not preflight_only:
         raise UsageError("give --steps N or --epochs E", hint="e.g. ampaudit train model.py --steps 1000")
     if cfg.tensorboard is not None:
         if cfg.trace is None:
             raise UsageError("--tensorboard needs --trace FILE", hint="e.g. --trace run.jsonl --tensorboard runs/amp")
+        writable_as("--tensorboard", cfg.tensorboard, folder=True)     # not found out when training ends
         from ampaudit.extras import require
         require("tensorboard", extra="tensorboard", feature="--tensorboard")
     if cfg.divergence_every is not None and cfg.trace is None:
@@ -226,7 +250,7 @@ def _default_dtype(cfg: TrainConfig) -> str | None:
         return None
     from ampaudit.machine.train_dtype import default_train_dtype
 
-    cfg.dtype, why = default_train_dtype(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg.dtype, why = default_train_dtype(cfg.device or _default_device())
     # the device's answer is news; the caller's own setting is not
     return None if why.startswith("set by") else f"dtype {cfg.dtype}: {why} (--dtype to choose)"
 

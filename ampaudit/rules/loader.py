@@ -25,8 +25,11 @@ from typing import Any
 
 from ampaudit.errors import RuleError
 from ampaudit.policy import read_toml, rules_dir
+# The rule files, selectors and lookup by id need no matcher: they live in ampaudit.rule_index (no torch).
+from ampaudit.rule_index import find_rule, rule_files, validate_selectors  # noqa: F401
+from ampaudit.rule_index import names_rule as _names
 from ampaudit.rules.registry import OPS, load_builtin_matchers
-from ampaudit.rules.schema import FAMILIES, check_param, check_required, check_rule
+from ampaudit.rules.schema import check_param, check_required, check_rule
 
 FILE_KEYS = ("rule", "op_sets", "params")
 
@@ -131,17 +134,10 @@ def _file_tables(path: Path, data: dict, matchers, op_sets: dict) -> dict:
     return shared
 
 
-def _rule_files(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        raise RuleError(f"rules folder not found: {folder}", hint="pass an existing folder to --rules")
-    # rules/*.toml holds rules (with their op sets and shared parameters); run-wide tables live in rules/policy/.
-    return sorted(folder.glob("*.toml"))
-
-
 def load_rules(extra_dirs: list[str | Path] = ()) -> list[Rule]:
     """The built-in rules plus those in ``extra_dirs``; ids and names must be unique (whatever their case)."""
     matchers = load_builtin_matchers()
-    files = [(path, read_toml(path)) for folder in [rules_dir(), *map(Path, extra_dirs)] for path in _rule_files(folder)]
+    files = [(path, read_toml(path)) for folder in [rules_dir(), *map(Path, extra_dirs)] for path in rule_files(folder)]
     op_sets: dict[str, tuple[list[str], str]] = {}
     shared = {path: _file_tables(path, data, matchers, op_sets) for path, data in files}
     rules: list[Rule] = []
@@ -158,19 +154,6 @@ def load_rules(extra_dirs: list[str | Path] = ()) -> list[Rule]:
     return rules
 
 
-def _names(rule: Rule, sel: str) -> bool:
-    """True when ``sel`` is the rule's id or a prefix of it (AMP2), its name, or its family; any case."""
-    sel = sel.strip()
-    return bool(sel) and (rule.id.upper().startswith(sel.upper()) or sel.lower() in (rule.name.lower(), rule.family))
-
-
-def find_rule(rules: list[Rule], key: str) -> Rule:
-    for rule in rules:
-        if key.strip().upper() == rule.id.upper() or key.strip().lower() == rule.name.lower():
-            return rule
-    raise RuleError(f"unknown rule {key!r}", hint="list the rules with: ampaudit rules")
-
-
 def rule_selected(rule: Rule, select: list[str] | None, ignore: list[str] | None) -> bool:
     """ruff-style selection: a code, a code prefix (AMP2), a rule name or a family name, in any case; ALL."""
 
@@ -180,13 +163,3 @@ def rule_selected(rule: Rule, select: list[str] | None, ignore: list[str] | None
     if select and not any(matches(s) for s in select):
         return False
     return not (ignore and any(matches(s) for s in ignore))
-
-
-def validate_selectors(rules: list[Rule], selectors: list[str] | None, option: str) -> None:
-    """Each --select/--ignore entry must name something, so a typo is an error and not a silent no-op."""
-    for sel in selectors or []:
-        sel = sel.strip()
-        if sel.upper() == "ALL" or sel.lower() in FAMILIES:
-            continue
-        if not any(_names(r, sel) for r in rules):
-            raise RuleError(f"{option} {sel!r} matches no rule", hint="see ampaudit rules for ids, names and families")

@@ -177,7 +177,7 @@ def load_train_config(path: Path, base: TrainConfig | None = None) -> TrainConfi
             table = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"no config file {path}", hint="give the path of a TOML file of the run's settings") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:     # tomllib reads UTF-8 only
         raise ConfigError(f"{path}: cannot read it as TOML: {' '.join(str(exc).split())}",
                           hint="fix the file (TOML: key = value, one a line)") from None
     return dataclasses.replace(base or TrainConfig(), **config_values(table, Path(path)))
