@@ -26,7 +26,7 @@ _EXPORTS = {
     "TrainResult": "ampaudit.train.trainer",
     "fix": "ampaudit.rewrite.api",
     "FixResult": "ampaudit.rewrite.api",
-    "keep_fp32": "ampaudit.rewrite.keep_fp32",
+    "keep_fp32": "ampaudit.precision.keep_fp32",
     "AmpAuditError": "ampaudit.errors",
     "NonFiniteError": "ampaudit.runtime.watch",
     "locate_nonfinite": "ampaudit.runtime.locate",

@@ -67,7 +67,7 @@ def gaussian_sqnr(seeds: int = 5) -> dict[str, list[float]]:
     """Output SQNR (dB) of a 256x256 Linear on 64 gaussian tokens, per recipe and seed (recipes.toml's budgets)."""
     from torch import nn
 
-    from ampaudit.planning.convert import set_recipe
+    from ampaudit.precision.convert import set_recipe
     from ampaudit.runtime.recipe_stats import sqnr_db
 
     out: dict[str, list[float]] = {}

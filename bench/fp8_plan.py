@@ -61,10 +61,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ampaudit  # noqa: E402
-from ampaudit.planning.recipes import HIGH_PRECISION  # noqa: E402
-from ampaudit.rewrite.keep_fp32 import keep_fp32  # noqa: E402
+from ampaudit.precision.recipes import HIGH_PRECISION  # noqa: E402
+from ampaudit.precision.keep_fp32 import keep_fp32  # noqa: E402
 from ampaudit.planning.choose import misaligned_dims  # noqa: E402
-from ampaudit.planning.fp8 import config, import_torchao  # noqa: E402
+from ampaudit.precision.fp8 import config, import_torchao  # noqa: E402
 from llama_meta import build_llama  # noqa: E402
 from outlier_lm import MASSIVE, MASSIVE_UNIT, OUTLIER_BLOCKS, VOCAB, build_outlier_lm  # noqa: E402
 from outlier_lm import ct  # noqa: E402  (samples/char_transformer.py, loaded once, by outlier_lm)

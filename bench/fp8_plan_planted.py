@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 import ampaudit  # noqa: E402
 from ampaudit.errors import UsageError  # noqa: E402
 from ampaudit.planning.apply import apply_plan  # noqa: E402
-from ampaudit.planning.convert import set_recipe  # noqa: E402
-from ampaudit.planning.recipes import HIGH_PRECISION, parse_recipes  # noqa: E402
+from ampaudit.precision.convert import set_recipe  # noqa: E402
+from ampaudit.precision.recipes import HIGH_PRECISION, parse_recipes  # noqa: E402
 
 PLANTED = [ROOT / "tests" / "planted_fp8", ROOT / "tests" / "planted_recipes"]
 RECIPES = "float8_tensorwise,float8_rowwise,float8_rowwise_with_gw_hp,mxfp8,nvfp4"

@@ -89,7 +89,7 @@ def machine(dev: Device | None) -> dict:
     try:
         from importlib.metadata import version
 
-        from ampaudit.planning.fp8 import import_torchao     # quiet about its optional CUDA extensions
+        from ampaudit.precision.fp8 import import_torchao     # quiet about its optional CUDA extensions
 
         import_torchao()
         info["torchao"] = version("torchao")

@@ -75,7 +75,7 @@ def step_seconds(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, dev: De
 
 def variants(k: int, n: int, dev: Device, compiled: bool) -> dict[str, Callable[[], nn.Module]]:
     """bf16 and each float8 recipe of one Linear(k, n) (same weights), emulated where there is no GPU."""
-    from ampaudit.planning.fp8 import config, import_torchao
+    from ampaudit.precision.fp8 import config, import_torchao
 
     torch.manual_seed(0)
     with torch.device(dev.type):          # Llama's 4096 x 128256 head: seconds to initialise on a CPU

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ampaudit.errors import UsageError
-from ampaudit.rewrite.keep_fp32 import keep_fp32
+from ampaudit.precision.keep_fp32 import keep_fp32
 
 
 class Block(nn.Module):

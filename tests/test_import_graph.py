@@ -11,11 +11,6 @@ from import_graph import PACKAGE, cycles, module_graph, package_graph
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
-# The one package loop left: four runtime modules (the recipe statistics, the fallback, the session that attaches
-# them) import planning's recipe layer, while planning reads traces and calibrates through runtime. It goes when
-# that layer (recipes, convert, fp8, the emulated kernels, normalise_plan, rewrite/keep_fp32) moves below both.
-RECIPE_LAYER = {f"ampaudit.planning.{m}" for m in ("recipes", "convert", "apply", "fp8", "nvfp4_emulated",
-                                                   "blockwise_emulated")}
 # Being split into modules of their own concern; the size test passes once they are.
 BEING_SPLIT = {"ampaudit/runtime/divergence.py", "ampaudit/runtime/session.py"}
 
@@ -40,21 +35,9 @@ def test_no_module_cycle_anywhere():
     assert cycles(graph()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="runtime -> planning's recipe layer (see RECIPE_LAYER); strict: an XPASS "
-                                       "means the layer moved and this marker goes")
 def test_no_package_cycle():
     """Between ampaudit's packages, a top-level module (api.py, quiet.py) counting as a package of its own."""
     assert cycles(package_graph(graph())) == []
-
-
-def test_no_package_cycle_but_runtime_reaching_the_recipe_layer():
-    g = {m: set(edges) for m, edges in graph().items()}
-    reaching = {(m, e) for m, edges in g.items() if m.startswith("ampaudit.runtime.") for e in edges
-                if e.startswith("ampaudit.planning")}
-    assert {e for _, e in reaching} <= RECIPE_LAYER, reaching
-    for m, e in reaching:
-        g[m].discard(e)
-    assert cycles(package_graph(g)) == []
 
 
 def test_the_trace_contract_imports_no_reader_or_writer():

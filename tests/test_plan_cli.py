@@ -117,7 +117,7 @@ def test_bad_arguments_are_usage_errors():
 
 
 def test_without_torchao_the_error_names_the_extra(monkeypatch):
-    from ampaudit.planning import fp8
+    from ampaudit.precision import fp8
 
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)

@@ -1,4 +1,4 @@
-"""ampaudit.planning.measure and ampaudit.planning.fp8: per-Linear error in float8 / bf16 / fp16 against FP32."""
+"""ampaudit.planning.measure and ampaudit.precision.fp8: per-Linear error in float8 / bf16 / fp16 against FP32."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ampaudit.errors import UsageError
-from ampaudit.planning import fp8
+from ampaudit.precision import fp8
 from ampaudit.planning.measure import error_metrics, measure_layers
 
 try:

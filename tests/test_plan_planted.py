@@ -18,7 +18,7 @@ from torch import nn
 
 import ampaudit
 from ampaudit.errors import UsageError
-from ampaudit.planning import fp8
+from ampaudit.precision import fp8
 
 try:
     fp8.import_torchao()
@@ -26,7 +26,7 @@ except UsageError:
     pytest.skip("torchao is not installed (the fp8 extra)", allow_module_level=True)
 
 from ampaudit.planning.apply import apply_plan
-from ampaudit.planning.recipes import parse_recipes  # noqa: E402
+from ampaudit.precision.recipes import parse_recipes  # noqa: E402
 from ampaudit.planning.choose import Budget  # noqa: E402
 from ampaudit.train import Trainer  # noqa: E402
 from ampaudit.train.checkpoint import LAST  # noqa: E402

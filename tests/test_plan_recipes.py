@@ -11,7 +11,8 @@ from torch import nn
 
 import ampaudit
 from ampaudit.errors import InputError, UsageError
-from ampaudit.planning import api, emulate, fp8, recipes
+from ampaudit.planning import api, emulate
+from ampaudit.precision import fp8, recipes
 from ampaudit.planning.choose import Budget
 from ampaudit.planning.measure import LayerMeasure, _detached_linear, _run, error_metrics, measure_layers
 from ampaudit.planning.pick import pick_layer

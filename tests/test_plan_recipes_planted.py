@@ -10,7 +10,7 @@ from conftest import ROOT, load_module
 
 import ampaudit
 from ampaudit.errors import UsageError
-from ampaudit.planning import fp8, recipes
+from ampaudit.precision import fp8, recipes
 
 try:
     fp8.import_torchao()

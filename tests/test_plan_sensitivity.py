@@ -50,7 +50,7 @@ def test_the_model_is_left_as_it_was():
 def test_layer_noises_add_up_to_the_all_float8_model():
     """The plan's predicted gradient SQNR for a set of float8 layers is the sum of their noises: check it against
     the model with all of them really in float8 (same dropout masks)."""
-    from ampaudit.planning.fp8 import config, import_torchao
+    from ampaudit.precision.fp8 import config, import_torchao
 
     torch.manual_seed(0)
     model = Net()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from ampaudit.errors import UsageError
-from ampaudit.planning import recipes, speed
+from ampaudit.planning import speed
+from ampaudit.precision import recipes
 from ampaudit.planning.speed import GPUS, RECIPES, cast_bytes, gemm_seconds, linear_times, load_gpus
 
 FP8_GPUS = [name for name, spec in load_gpus().items() if spec["fp8"]]

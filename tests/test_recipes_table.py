@@ -2,7 +2,7 @@
 import pytest
 
 from ampaudit.errors import UsageError
-from ampaudit.planning import recipes
+from ampaudit.precision import recipes
 
 
 def test_every_recipe_falls_back_to_high_precision_without_a_cycle():

@@ -400,7 +400,7 @@ def test_watch_is_the_class_so_every_option_reaches_it():
 def test_float8_layers_give_no_spurious_nonfinite_events():
     """The locator replay runs torchao's Float8Linear too: its fp8 operands are storage, not checked values."""
     pytest.importorskip("torchao")
-    from ampaudit.planning.fp8 import config, import_torchao
+    from ampaudit.precision.fp8 import config, import_torchao
 
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     import_torchao().convert_to_float8_training(model, config=config("tensorwise", emulate=True))

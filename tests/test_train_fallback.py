@@ -22,7 +22,7 @@ pytest.importorskip("torchao")
 import ampaudit.cli.commands  # noqa: E402,F401  registers the commands
 from ampaudit.cli.app import app  # noqa: E402
 from ampaudit.planning.apply import apply_plan, load_plan  # noqa: E402
-from ampaudit.planning.convert import recipes_of  # noqa: E402
+from ampaudit.precision.convert import recipes_of  # noqa: E402
 from ampaudit.runtime.fallback import reasons  # noqa: E402
 from ampaudit.runtime.trace import read_trace  # noqa: E402
 from ampaudit.train.checkpoint import LAST  # noqa: E402
@@ -208,7 +208,7 @@ def test_each_budget_is_a_reason_and_growth_restarts_with_the_new_recipe(tmp_pat
 
 
 def test_a_switch_skips_a_safer_recipe_the_layer_does_not_fit():
-    from ampaudit.planning.convert import recipe_of, set_recipe
+    from ampaudit.precision.convert import recipe_of, set_recipe
     from ampaudit.runtime.fallback import _switch
 
     layer = torch.nn.Linear(48, 64)                 # 48: nvfp4's 16-blocks, not mxfp8's 32
@@ -222,7 +222,7 @@ def test_the_fallback_judges_by_the_budget_the_plan_chose_by(tmp_path):
     plan file where it records one (``plan --budget`` carries over), else from recipes.toml / settings.toml."""
     from ampaudit.planning.choose import Budget
     from ampaudit.planning.pick import recipe_budget_of
-    from ampaudit.planning.recipes import recipe_names
+    from ampaudit.precision.recipes import recipe_names
     from ampaudit.runtime.fallback import Fallback, output_budget
     from ampaudit.runtime.trace import TraceWriter
 

@@ -21,7 +21,7 @@ from ampaudit.train.trainer import Trainer
 pytest.importorskip("torchao")
 
 from ampaudit.planning.apply import apply_plan  # noqa: E402
-from ampaudit.planning.fp8 import cast_stats  # noqa: E402
+from ampaudit.precision.fp8 import cast_stats  # noqa: E402
 from ampaudit.policy import settings  # noqa: E402
 from trace_events import ev
 

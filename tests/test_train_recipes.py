@@ -1,4 +1,4 @@
-"""``train --plan`` applies every recipe of rules/policy/recipes.toml through torchao (ampaudit/planning/convert.py):
+"""``train --plan`` applies every recipe of rules/policy/recipes.toml through torchao (ampaudit/precision/convert.py):
 float8 recipes with per-GEMM cast configs, MXFP8 equal to torchao's MX training config, NVFP4 emulated through
 NVFP4Tensor and blockwise through torchao.float8's cast per tile (and said so); version-1 plans read as version 2;
 bad shapes refused in one line; recipe statistics in the trace."""
@@ -18,9 +18,9 @@ import ampaudit.cli.commands  # noqa: E402,F401  registers the commands
 from ampaudit.cli.app import app  # noqa: E402
 from ampaudit.errors import InputError, TrainError, UsageError  # noqa: E402
 from ampaudit.planning.apply import apply_plan, normalise_plan  # noqa: E402
-from ampaudit.planning.convert import emulation_notes, recipe_of, recipes_of, set_recipe  # noqa: E402
-from ampaudit.planning.nvfp4_emulated import nvfp4_qdq  # noqa: E402
-from ampaudit.planning.recipes import format_budget  # noqa: E402
+from ampaudit.precision.convert import emulation_notes, recipe_of, recipes_of, set_recipe  # noqa: E402
+from ampaudit.precision.nvfp4_emulated import nvfp4_qdq  # noqa: E402
+from ampaudit.precision.recipes import format_budget  # noqa: E402
 from ampaudit.runtime.recipe_stats import sqnr_db  # noqa: E402
 from ampaudit.runtime.trace import read_trace  # noqa: E402
 
@@ -165,7 +165,7 @@ def _e4m3_tiles(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def test_blockwise_is_deepseeks_tiles_through_torchaos_float8_cast():
-    from ampaudit.planning.blockwise_emulated import act_qdq, weight_qdq
+    from ampaudit.precision.blockwise_emulated import act_qdq, weight_qdq
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 256, generator=g)

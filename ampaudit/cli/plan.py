@@ -53,7 +53,7 @@ def plan(
     from ampaudit.loading import load_target
     from ampaudit.planning.api import plan as make_plan
     from ampaudit.planning.choose import Budget
-    from ampaudit.planning.fp8 import import_torchao
+    from ampaudit.precision.fp8 import import_torchao
     from ampaudit.timeout import time_limit
 
     import_torchao()                      # a missing extra fails before the model file runs

@@ -65,8 +65,8 @@ def _apply_plan(loaded, path: Path | None, dtype: str, device: str | None, pad: 
     padded = chosen.get("padded") or {}
     from collections import Counter
 
-    from ampaudit.planning.convert import emulation_notes, recipes_of
-    from ampaudit.planning.recipes import HIGH_PRECISION, recipe
+    from ampaudit.precision.convert import emulation_notes, recipes_of
+    from ampaudit.precision.recipes import HIGH_PRECISION, recipe
 
     other = Counter(r["choice"] for r in recipes_of(loaded.model).values()
                     if r["choice"] not in HIGH_PRECISION and recipe(r["choice"]).family != "float8")

@@ -27,8 +27,8 @@ from torch import nn
 
 from ampaudit.errors import UsageError
 from ampaudit.planning.choose import Budget, LayerPlan, misaligned_dims
-from ampaudit.planning.recipes import PLAN_VERSION, choices, native_recipes, parse_recipes, recipe_names
-from ampaudit.planning.recipes import recipe as recipe_row
+from ampaudit.precision.recipes import PLAN_VERSION, choices, native_recipes, parse_recipes, recipe_names
+from ampaudit.precision.recipes import recipe as recipe_row
 
 RECIPES = ("tensorwise", "rowwise", "auto")      # the single-recipe ``recipe=`` of version-1 callers
 _AUTO = ("float8_tensorwise", "float8_rowwise")
@@ -127,7 +127,7 @@ def not_native_recipes(names, speed_model: str) -> dict[str, str]:
 def _torchao_choices(model: nn.Module, names: list[str], layers: list[LayerPlan]) -> dict[str, bool | None]:
     """What torchao's own float8 filter (``_auto_filter_for_recipe``) says per layer, for the layer's float8
     recipe (its choice, else the first float8 recipe measured); None where no float8 recipe applies."""
-    from ampaudit.planning.fp8 import import_torchao
+    from ampaudit.precision.fp8 import import_torchao
 
     float8 = [r for r in names if recipe_row(r).family == "float8"]
     modules = dict(model.named_modules())

@@ -3,7 +3,7 @@ its float32 layers kept in fp32 under autocast, the rest left to bf16 autocast.
 
     plan = load_plan("plan.json")                  # version 1 or 2, normalised to version 2
     apply_plan(model, plan, device="cpu")          # in place; returns {"float8": [...], "float32": [...]}
-    recipes_of(model), emulation_notes(model)      # ampaudit.planning.convert: every layer's recipe, what is emulated
+    recipes_of(model), emulation_notes(model)      # ampaudit.precision.convert: every layer's recipe, what is emulated
     apply_plan(model, plan, pad=True)              # also pads misaligned float8 layers; adds "padded": {name: change}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(model(x), y)
@@ -11,7 +11,7 @@ its float32 layers kept in fp32 under autocast, the rest left to bf16 autocast.
 A version-2 plan's layer has ``choice`` (a recipe name, ``bfloat16`` or ``float32``) and optionally ``gemms``
 (``{"output", "grad_input", "grad_weight"}`` -> a choice) when its GEMMs differ. A version-1 plan (choice
 ``"float8"`` with a top-level ``recipe``: tensorwise / rowwise) reads as the same version-2 plan
-(:func:`normalise_plan`). :mod:`ampaudit.planning.convert` converts each layer (the same parameters and
+(:func:`normalise_plan`). :mod:`ampaudit.precision.convert` converts each layer (the same parameters and
 state_dict keys, so checkpoints load either way): float8 recipes as torchao Float8Linear, emulated on CPU and with
 real FP8 kernels on CUDA GPUs of compute capability 8.9 or newer (older GPUs are refused with the reason); MXFP8
 with torchao's MX training numerics; NVFP4 emulated (``emulation_notes`` says so).
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ampaudit.errors import InputError, UsageError
-from ampaudit.planning.recipes import normalise_plan
+from ampaudit.precision.recipes import normalise_plan
 
 _HINT = "re-run ampaudit plan on this model and pass the new plan"
 
@@ -66,7 +66,7 @@ def _check_device(device: str | torch.device) -> None:
 
 
 def _layer_choice(layer: dict, modules: dict, pad: bool, device, default: str) -> tuple[str, dict | None]:
-    from ampaudit.planning.recipes import choices
+    from ampaudit.precision.recipes import choices
 
     name, choice = layer.get("module"), layer.get("choice")
     if choice not in choices():
@@ -93,8 +93,8 @@ def _layer_choice(layer: dict, modules: dict, pad: bool, device, default: str) -
 def apply_plan(model: nn.Module, plan: dict, *, device: str | torch.device = "cpu", pad: bool = False) -> dict:
     """Convert ``model`` in place as ``plan`` (version 1 or 2) says; returns the float8-family and float32 layers
     and, with ``pad``, ``"padded"``: module -> ``PadChange``."""
-    from ampaudit.planning.convert import set_recipe
-    from ampaudit.planning.recipes import recipe
+    from ampaudit.precision.convert import set_recipe
+    from ampaudit.precision.recipes import recipe
 
     plan = normalise_plan(plan)
     modules = dict(model.named_modules())

@@ -8,7 +8,7 @@
 Per family (rules/policy/recipes.toml ``family``):
 
 - ``float8``: torchao's ``Float8Linear`` (``convert_to_float8_training`` with ``Float8LinearConfig`` of the recipe,
-  ``emulate=True``): the numerics torchao trains with. Statistics: :func:`ampaudit.planning.fp8.cast_stats`.
+  ``emulate=True``): the numerics torchao trains with. Statistics: :func:`ampaudit.precision.fp8.cast_stats`.
 - ``mx`` / mxfp8: torchao's ``_to_mxfp8_then_scaled_mm`` with ``KernelPreference.EMULATED`` and RCEIL scales, the
   function ``MXFP8TrainingOpConfig`` dispatches every Linear to: each operand cut into 1x32 blocks along the
   reduction dim of the GEMM it feeds (input along K for the output, along the tokens for grad_weight; weight along
@@ -29,8 +29,8 @@ from torch import nn
 
 from ampaudit.dtypes import limits
 from ampaudit.errors import UsageError
-from ampaudit.planning import fp8
-from ampaudit.planning.recipes import Recipe
+from ampaudit.precision import fp8
+from ampaudit.precision.recipes import Recipe
 
 __all__ = ["NOTES", "recipe_linear", "unsupported", "quant_stats", "block_stats"]
 
@@ -139,7 +139,7 @@ def recipe_linear(lin: nn.Linear, recipe: Recipe, *, hp_grad_weight: bool = Fals
 def block_stats(t: torch.Tensor, dq: torch.Tensor, decode: torch.Tensor, *, fmt_max: float,
                 fmt_tiny: float) -> dict[str, float]:
     """Statistics of one block-scaled cast: ``t`` the original, ``dq`` its dequantized value, ``decode`` the
-    per-element scale (dq = code * decode). Keys as :func:`ampaudit.planning.fp8.cast_stats`, plus
+    per-element scale (dq = code * decode). Keys as :func:`ampaudit.precision.fp8.cast_stats`, plus
     ``scale_range_bits`` (log2 of the largest over the smallest block scale)."""
     x = t.detach().float()
     magnitude = x.abs()

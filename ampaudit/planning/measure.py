@@ -36,8 +36,8 @@ from torch.autograd.graph import get_gradient_edge
 from ampaudit.analysis.calibrate import batch_loss
 from ampaudit.errors import AmpAuditError, InputError, UsageError
 from ampaudit.notes import note
-from ampaudit.planning import fp8
-from ampaudit.planning.recipes import Recipe, recipe, recipe_names
+from ampaudit.precision import fp8
+from ampaudit.precision.recipes import Recipe, recipe, recipe_names
 from ampaudit.runtime.replay_state import capture_rng, preserved
 from ampaudit.runtime.trace import jsonable
 from ampaudit.wrappers import unwrap
@@ -78,7 +78,7 @@ class LayerMeasure:
 
     ``metrics[dtype][role]`` = {"sqnr_db", "rel_l2"} for dtype in the ``dtypes`` measured and role in
     output, grad_input, grad_weight (the grad roles are absent when no gradient reaches the layer's output).
-    ``stats[cast]`` = :func:`ampaudit.planning.fp8.cast_stats` of input, weight and grad_output as the recipe
+    ``stats[cast]`` = :func:`ampaudit.precision.fp8.cast_stats` of input, weight and grad_output as the recipe
     casts them for float8 (empty when float8 is not measured). A recipe name in ``dtypes`` (rules/policy/recipes.toml,
     emulated as :mod:`ampaudit.planning.emulate` says) is measured the same way, under its own name, with its cast
     statistics (of the first batch's calls) in ``metrics[recipe]["stats"]``; ``unsupported[recipe]`` says why one could not run the layer."""
@@ -330,7 +330,7 @@ def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = 
     order, from ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``.
 
     The backward differentiates ``loss_fn(output, target)`` for batches with a target, else the sum of the
-    floating outputs. ``recipe``: torchao's float8 recipe (:data:`ampaudit.planning.fp8.RECIPES`) of "float8";
+    floating outputs. ``recipe``: torchao's float8 recipe (:data:`ampaudit.precision.fp8.RECIPES`) of "float8";
     ``dtypes``: some of "float8", "bfloat16", "float16" and recipe names (rules/policy/recipes.toml). The model runs in the mode it is in; its parameters, gradients,
     buffers and the RNG are as before afterwards. A Linear whose forward never runs (MultiheadAttention's
     out_proj: its weight is used directly) is left out, with a note.

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from ampaudit.planning.choose import BACKWARD, Budget, LayerPlan, _bf16_fails, _sqnr
-from ampaudit.planning.recipes import Recipe, budget as recipe_budget, recipe
+from ampaudit.precision.recipes import Recipe, budget as recipe_budget, recipe
 from ampaudit.policy import settings
 
 __all__ = ["Verdict", "judge", "pick_layer", "recipe_budget_of", "HP_GRAD_WEIGHT"]

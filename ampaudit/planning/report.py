@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ampaudit.planning.recipes import recipe, recipe_names
+from ampaudit.precision.recipes import recipe, recipe_names
 
 _ORDER = {"float32": 0, "bfloat16": 1}
 _STYLE = {"float32": "red", "bfloat16": "yellow"}

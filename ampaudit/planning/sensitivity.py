@@ -45,8 +45,8 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
     target])``. ``layer_recipes``: name -> (recipe of rules/policy/recipes.toml, grad_weight in bf16) instead, each
     layer swapped for :func:`ampaudit.planning.emulate.recipe_linear` of its own recipe."""
     from ampaudit.planning import emulate
-    from ampaudit.planning.fp8 import config, import_torchao
-    from ampaudit.planning.recipes import recipe as recipe_of
+    from ampaudit.precision.fp8 import config, import_torchao
+    from ampaudit.precision.recipes import recipe as recipe_of
 
     float8_linear = import_torchao().float8_linear.Float8Linear
     cfg = config(recipe) if layer_recipes is None else None

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ampaudit.errors import RuleError, UsageError
-from ampaudit.planning import recipes as recipe_table
+from ampaudit.precision import recipes as recipe_table
 from ampaudit.policy import read_toml, rules_dir
 
 __all__ = ["GPUS", "RECIPES", "Casts", "load_gpus", "efficiency", "min_float8_capability", "supports_float8", "float8_gpus",

@@ -2,12 +2,12 @@
 padding, verification and the writer of the fixed model file; and ``keep_fp32`` for eager models.
 
     result = ampaudit.fix(model, x, device="cuda")          # ampaudit.rewrite.api.fix
-    ampaudit.keep_fp32(model, ["encoder.*.attn"])          # ampaudit.rewrite.keep_fp32.keep_fp32
+    ampaudit.keep_fp32(model, ["encoder.*.attn"])          # ampaudit.precision.keep_fp32.keep_fp32
 
 The package is named ``rewrite`` (not ``fix``) so that ``ampaudit.fix`` stays the function: a subpackage of the
 same name would become the package attribute the moment it is imported.
 """
 from ampaudit.rewrite.api import FixResult, fix
-from ampaudit.rewrite.keep_fp32 import keep_fp32
+from ampaudit.precision.keep_fp32 import keep_fp32
 
 __all__ = ["FixResult", "fix", "keep_fp32"]

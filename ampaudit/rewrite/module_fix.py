@@ -119,7 +119,7 @@ def _unpaddable(root: nn.Module, m: nn.Module | None, dims: dict[str, int]) -> s
 
 def apply_module_fix(model: nn.Module, keep: list[str], pad: dict[str, dict[str, int]]) -> list[PadChange]:
     """Pad the layers in ``pad`` and make the modules in ``keep`` run in fp32, in place; FP32 outputs unchanged."""
-    from ampaudit.rewrite.keep_fp32 import fp32_modules
+    from ampaudit.precision.keep_fp32 import fp32_modules
 
     changes = []
     for path, dims in pad.items():

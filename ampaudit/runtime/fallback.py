@@ -14,14 +14,14 @@ The budgets (a layer leaves its recipe at the first that is crossed, checked in 
 
 - ``sqnr``: its output's SQNR against its FP32 shadow below its recipe's forward budget, the one ``ampaudit plan``
   judged the layer by: the plan file's ``budgets[recipe].forward_db`` (so ``plan --budget`` carries over), else
-  recipes.toml ``[budget.<recipe>]`` / settings.toml ``[plan]`` (:func:`ampaudit.planning.recipes.format_budget`);
+  recipes.toml ``[budget.<recipe>]`` / settings.toml ``[plan]`` (:func:`ampaudit.precision.recipes.format_budget`);
 - ``input_flushed`` / ``grad_output_flushed``: a flushed share past ``[plan] max_flushed_share`` (settings.toml);
 - ``input_amax_growth`` / ``grad_output_amax_growth``: amax past ``[fallback] max_amax_growth`` times its first
   sampled step's in its current recipe (growth since step 1 for the plan's recipe; after a switch, since the
   switch, so one growing outlier does not walk the whole chain on growth alone).
 
 The switch happens between steps (after the optimizer step, before the next forward): the module object and its
-Parameters stay (:func:`ampaudit.planning.convert.set_recipe`), so the optimizer state, hooks and checkpoints carry
+Parameters stay (:func:`ampaudit.precision.convert.set_recipe`), so the optimizer state, hooks and checkpoints carry
 on. Each switch writes a ``fallback`` event (module, from, to, reason, value, limit) and, with ``plan_file``,
 rewrites that plan atomically: the layer's ``choice`` becomes the new recipe and its ``fallback`` list records
 ``{step, from, to, reason, value, limit}``. The trainer's checkpoint holds every layer's current recipe, so a
@@ -50,7 +50,7 @@ def _limits() -> tuple[float, float]:
 def output_budget(recipe_name: str, budgets: dict | None = None) -> float:
     """The least output SQNR (dB) on the shadow check a layer in ``recipe_name`` may have: ``budgets`` (a plan's
     ``budgets``: recipe -> {forward_db, backward_db}) where it names the recipe, else the recipe table's."""
-    from ampaudit.planning.recipes import format_budget
+    from ampaudit.precision.recipes import format_budget
 
     row = (budgets or {}).get(recipe_name)
     if isinstance(row, dict) and isinstance(row.get("forward_db"), (int, float)):
@@ -91,8 +91,8 @@ def _switch(mod: nn.Module, name: str, before: dict) -> tuple[str, dict]:
     """Set ``mod`` to the first recipe down the safer chain that takes it (its shape, its per-GEMM choices:
     nvfp4's 16-blocks and a bf16 grad_input do not fit mxfp8, for one); bfloat16 always does."""
     from ampaudit.errors import UsageError
-    from ampaudit.planning.convert import set_recipe
-    from ampaudit.planning.recipes import safer
+    from ampaudit.precision.convert import set_recipe
+    from ampaudit.precision.recipes import safer
 
     to = safer(before["choice"])
     while True:
@@ -128,7 +128,7 @@ class Fallback:
 
     def judge(self, step: int | None, found: dict[str, dict], layers: dict[str, nn.Module]) -> list[tuple]:
         """Switch every layer of ``found`` past a budget to its recipe's ``safer``; returns (module, from, to)."""
-        from ampaudit.planning.convert import recipe_of
+        from ampaudit.precision.convert import recipe_of
 
         done = []
         for name, event in found.items():
@@ -154,7 +154,7 @@ class Fallback:
         if self.plan_file is None:
             return
         from ampaudit.fileio import atomic_write_text
-        from ampaudit.planning.apply import normalise_plan
+        from ampaudit.precision.recipes import normalise_plan
 
         plan = normalise_plan(json.loads(self.plan_file.read_text()))
         for layer in plan["layers"]:

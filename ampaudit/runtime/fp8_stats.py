@@ -13,7 +13,7 @@ flushed to zero and clipped of its input, weight and grad_output, and a note whe
 Events (trace version 1, see ``ampaudit.runtime.trace``):
 
 - ``fp8``: module, and ``input``, ``weight``, ``grad_output`` each ``{amax, scale, flushed_share, clipped_share}``
-  (:func:`ampaudit.planning.fp8.cast_stats` on the tensor torchao casts, with that cast's dtype, granularity and
+  (:func:`ampaudit.precision.fp8.cast_stats` on the tensor torchao casts, with that cast's dtype, granularity and
   rounding; ``scale`` is torchao's, the smallest one of an axiswise cast). ``grad_output`` is absent when no
   gradient reached the layer on that step.
 - ``fp8_budget``: module, role (input or grad_output), flushed_share, max_flushed_share (rules/policy/settings.toml
@@ -57,7 +57,7 @@ def float8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _cast(t: torch.Tensor, cast: Any, round_pow2: bool) -> dict[str, float]:
-    from ampaudit.planning.fp8 import cast_stats
+    from ampaudit.precision.fp8 import cast_stats
 
     stats = cast_stats(t, dtype=cast.target_dtype, granularity=cast.scaling_granularity,
                        round_scales_to_power_of_2=round_pow2, axiswise_dim=-1)
@@ -110,7 +110,7 @@ class Fp8Stats:
             if torch.is_autocast_enabled("cuda"):
                 x = x.to(torch.get_autocast_dtype("cuda"))
             elif torch.is_autocast_enabled("cpu") and getattr(mod, "casts_cpu_autocast", False):
-                x = x.to(torch.get_autocast_dtype("cpu"))    # ampaudit.planning.convert's Float8Linear
+                x = x.to(torch.get_autocast_dtype("cpu"))    # ampaudit.precision.convert's Float8Linear
             cfg = mod.config
             pow2 = cfg.round_scales_to_power_of_2
             found = self._pending[name] = {}

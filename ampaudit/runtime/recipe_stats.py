@@ -3,7 +3,7 @@ against FP32 of the same layer on the same input (a shadow check), and the amax 
 grad_output under the layer's own recipe quantizer.
 
 :class:`WatchSession <ampaudit.runtime.session.WatchSession>` starts one when the model holds layers that
-:func:`ampaudit.planning.convert.set_recipe` converted (``ampaudit train --plan``); used alone:
+:func:`ampaudit.precision.convert.set_recipe` converted (``ampaudit train --plan``); used alone:
 
     stats = RecipeStats.attach(model, writer, every=50)     # None: no low-precision layer in model
     stats.begin_step(step)     # a sampled step (step 1, then each multiple of `every`): hooks on each layer
@@ -39,8 +39,8 @@ __all__ = ["RecipeStats", "recipe_layers", "flushed_share", "sqnr_db"]
 
 def recipe_layers(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of the layers a plan converted to a low-precision recipe (not bf16 / fp32)."""
-    from ampaudit.planning.convert import recipes_of
-    from ampaudit.planning.recipes import HIGH_PRECISION
+    from ampaudit.precision.convert import recipes_of
+    from ampaudit.precision.recipes import HIGH_PRECISION
     from ampaudit.wrappers import unwrap
 
     modules = dict(unwrap(model).named_modules())
@@ -68,11 +68,11 @@ def _qdq(t: torch.Tensor, mod: nn.Module, role: str) -> torch.Tensor | None:
         return MXTensor.to_mx(t.float().contiguous(), torch.float8_e4m3fn, 32,
                               ScaleCalculationMode.RCEIL).dequantize(torch.float32)
     if name == "nvfp4":
-        from ampaudit.planning.nvfp4_emulated import nvfp4_qdq
+        from ampaudit.precision.nvfp4_emulated import nvfp4_qdq
 
         return nvfp4_qdq(t)
     if name == "blockwise":
-        from ampaudit.planning.blockwise_emulated import act_qdq
+        from ampaudit.precision.blockwise_emulated import act_qdq
 
         return act_qdq(t)
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated

@@ -213,7 +213,7 @@ class WatchSession:
 
     def _attach_recipes(self, model: nn.Module) -> None:
         """`recipe_stats` of a plan's low-precision layers (none: nothing imported), and their fallback."""
-        from ampaudit.planning.convert import recipes_of
+        from ampaudit.precision.convert import recipes_of
 
         if not recipes_of(model):
             return
@@ -229,7 +229,7 @@ class WatchSession:
 
     def _switched(self, name: str, mod: nn.Module) -> None:
         """A layer changed recipe: the float8 statistics follow it, the recipe statistics drop it once high."""
-        from ampaudit.planning.recipes import HIGH_PRECISION
+        from ampaudit.precision.recipes import HIGH_PRECISION
 
         if self.fp8 is not None:
             if hasattr(mod, "linear_mm_config"):     # a Float8Linear now

@@ -61,7 +61,7 @@ class TrainerState:
     def _recipe_state(self) -> dict[str, Any]:
         """A plan's layers: each one's current recipe (a fallback may have switched it) and the recipe statistics'
         first-step amaxes; {} for a model no plan converted."""
-        from ampaudit.planning.convert import recipes_of
+        from ampaudit.precision.convert import recipes_of
 
         recipes = recipes_of(self.model)
         return {"recipes": recipes, "recipe_stats": self.session.recipe_state()} if recipes else {}
@@ -71,7 +71,7 @@ class TrainerState:
         saved = state.get("recipes")
         if not saved:
             return
-        from ampaudit.planning.convert import recipe_of, set_recipe
+        from ampaudit.precision.convert import recipe_of, set_recipe
         from ampaudit.wrappers import unwrap
 
         modules = dict(unwrap(self.model).named_modules())

@@ -6,7 +6,7 @@ scale, round to nearest) and dequantized, then multiplied in fp32.
     out = nvfp4_linear(x, weight, gemms={"grad_weight": "bfloat16"})   # wgrad from the unquantized operands
     qdq = nvfp4_qdq(t)                                            # t through NVFP4 and back, along its last dim
 
-torchao's ``NVFP4TrainingConfig`` needs its Triton kernels; this is what :mod:`ampaudit.planning.convert` trains an
+torchao's ``NVFP4TrainingConfig`` needs its Triton kernels; this is what :mod:`ampaudit.precision.convert` trains an
 ``nvfp4`` layer with elsewhere, and says so. Reductions run along the last dim, so each operand is transposed to put
 the GEMM's reduction dim there: input and weight along K for the output, grad_output and weight along N for
 grad_input, grad_output and input along M (tokens) for grad_weight.

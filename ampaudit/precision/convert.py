@@ -24,7 +24,7 @@ Per family (recipes.toml ``family``):
   e4m3 scales, an fp32 tensor scale) along that GEMM's reduction dim, round to nearest (no Hadamard transform, no
   stochastic rounding), then dequantized: the numerics of NVFP4's format, not of torchao's training recipe.
 - ``blockwise``: torchao's Float8BlockwiseLinear needs Triton on an SM90 GPU, has no emulated mode and refuses a
-  bias (its quantizers, the reference ones too, import Triton); :mod:`ampaudit.planning.blockwise_emulated`
+  bias (its quantizers, the reference ones too, import Triton); :mod:`ampaudit.precision.blockwise_emulated`
   computes its GEMMs with torchao.float8's dynamic e4m3 cast per 1x128 activation tile and 128x128 weight block,
   dequantized (dims and tokens multiples of 128), everywhere.
 """
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ampaudit.errors import TrainError, UsageError
-from ampaudit.planning.recipes import HIGH_PRECISION, choices, recipe
+from ampaudit.precision.recipes import HIGH_PRECISION, choices, recipe
 
 __all__ = ["GEMMS", "set_recipe", "recipe_of", "recipes_of", "emulation_notes", "RecipeLinear"]
 
@@ -83,7 +83,7 @@ def _gemms(choice: str, gemms: dict | None) -> dict[str, str]:
 def _float8_config(name: str, per_gemm: dict[str, str], emulate: bool):
     from torchao.float8.config import CastConfig, ScalingType
 
-    from ampaudit.planning.fp8 import import_torchao
+    from ampaudit.precision.fp8 import import_torchao
 
     cfg = import_torchao().Float8LinearConfig.from_recipe_name(recipe(name).torchao)
     changes: dict[str, Any] = {"emulate": emulate}
@@ -154,11 +154,11 @@ class RecipeLinear(nn.Linear):
         if state["choice"] == "mxfp8":
             out = _mxfp8(x, self.weight, wgrad_hp)
         elif state["choice"] == "nvfp4":
-            from ampaudit.planning.nvfp4_emulated import nvfp4_linear
+            from ampaudit.precision.nvfp4_emulated import nvfp4_linear
 
             out = nvfp4_linear(x, self.weight, state["gemms"])
         else:
-            from ampaudit.planning.blockwise_emulated import blockwise_linear
+            from ampaudit.precision.blockwise_emulated import blockwise_linear
 
             out = blockwise_linear(x, self.weight, state["gemms"])
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -205,7 +205,7 @@ def set_recipe(mod: nn.Linear, choice: str, gemms: dict | None = None, *, name: 
     mod.__class__ = base
     setattr(mod, _ATTR, {"choice": target, "gemms": {g: v for g, v in per_gemm.items() if v != target}})
     if target == "float32":
-        from ampaudit.rewrite.keep_fp32 import keep_fp32
+        from ampaudit.precision.keep_fp32 import keep_fp32
 
         keep_fp32(mod, [""])
     elif family == "float8":
