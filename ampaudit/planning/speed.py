@@ -35,7 +35,7 @@ from functools import lru_cache
 
 from ampaudit.errors import RuleError, UsageError
 from ampaudit.precision import recipes as recipe_table
-from ampaudit.policy import read_toml, rules_dir
+from ampaudit.datafiles import read_toml, rules_dir
 
 __all__ = ["GPUS", "RECIPES", "Casts", "load_gpus", "efficiency", "min_float8_capability", "supports_float8", "float8_gpus",
            "supports_recipe", "not_native", "require_native", "attention_rates", "gemm_seconds", "cast_kernels", "cast_bytes",

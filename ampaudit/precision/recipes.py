@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ampaudit.errors import RuleError, UsageError
-from ampaudit.policy import read_toml, rules_dir
+from ampaudit.datafiles import read_toml, rules_dir
 
 # The version of the plan JSON ``ampaudit plan`` writes (ampaudit.planning.api.Plan.to_dict) and every reader reads
 # a plan as (:func:`normalise_plan`; version 1 is read too).
