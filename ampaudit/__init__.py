@@ -11,7 +11,7 @@ Names are imported lazily so ``import ampaudit`` stays cheap.
 """
 from __future__ import annotations
 
-import importlib
+from ampaudit.lazy_names import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -39,10 +39,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ampaudit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _EXPORTS)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ampaudit.precision.emulated_gemm import emulated_linear
+
 __all__ = ["blockwise_linear", "act_qdq", "weight_qdq"]
 
-_HIGH = ("bfloat16", "float32")
 TILE = 128
 
 
@@ -74,9 +75,4 @@ class _BlockwiseLinear(torch.autograd.Function):
 def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, gemms: dict[str, str]) -> torch.Tensor:
     """``x @ weight.T`` with blockwise-FP8 operands in each GEMM ``gemms`` does not keep in bf16; the output in the
     run's autocast dtype, else in ``x``'s dtype."""
-    shape = x.shape
-    low = [gemms.get(g) not in _HIGH for g in ("output", "grad_input", "grad_weight")]
-    with torch.autocast(x.device.type, enabled=False):
-        out = _BlockwiseLinear.apply(x.reshape(-1, shape[-1]), weight, *low)
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    return out.to(dtype).reshape(*shape[:-1], weight.shape[0])
+    return emulated_linear(_BlockwiseLinear, x, weight, gemms)

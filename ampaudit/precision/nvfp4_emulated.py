@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ampaudit.precision.emulated_gemm import emulated_linear
+
 __all__ = ["nvfp4_linear", "nvfp4_qdq"]
 
-_HIGH = ("bfloat16", "float32")
 
 
 def nvfp4_qdq(t: torch.Tensor) -> torch.Tensor:
@@ -56,9 +57,4 @@ class _NVFP4Linear(torch.autograd.Function):
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, gemms: dict[str, str]) -> torch.Tensor:
     """``x @ weight.T`` with NVFP4 operands in each GEMM ``gemms`` does not keep in bf16/fp32; the output in the
     run's autocast dtype (bf16 under bf16 autocast), else in ``x``'s dtype."""
-    shape = x.shape
-    low = [gemms.get(g) not in _HIGH for g in ("output", "grad_input", "grad_weight")]
-    with torch.autocast(x.device.type, enabled=False):
-        out = _NVFP4Linear.apply(x.reshape(-1, shape[-1]), weight, *low)
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    return out.to(dtype).reshape(*shape[:-1], weight.shape[0])
+    return emulated_linear(_NVFP4Linear, x, weight, gemms)

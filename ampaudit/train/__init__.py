@@ -10,7 +10,7 @@ loads torch) costs no torch import.
 """
 from __future__ import annotations
 
-import importlib
+from ampaudit.lazy_names import lazy_getattr
 
 _EXPORTS = {"TrainConfig": "ampaudit.train.config", "LossScaler": "ampaudit.train.scaler",
             "Trainer": "ampaudit.train.trainer", "TrainResult": "ampaudit.train.trainer"}
@@ -18,10 +18,4 @@ _EXPORTS = {"TrainConfig": "ampaudit.train.config", "LossScaler": "ampaudit.trai
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ampaudit.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), _EXPORTS)

@@ -115,14 +115,22 @@ def _shape(value) -> tuple | None:
     return getattr(value.meta.get(AMP_KEY), "shape", None) if isinstance(value, fx.Node) else None
 
 
+def _is_lookup(node: fx.Node) -> bool:
+    return node.meta[AMP_KEY].op in ("embedding", "embedding_bag", "_embedding_bag")
+
+
+def _owned(ctx: MatchContext, keep, types: tuple[type, ...]) -> Iterator[tuple[fx.Node, nn.Module]]:
+    """(node, the module that owns it) for the nodes ``keep`` accepts whose owner is one of ``types``."""
+    for node in ctx.nodes():
+        if keep(node):
+            m = ctx.owner(node)
+            if isinstance(m, types):
+                yield node, m
+
+
 @matcher("embedding_dims", fields=FIELDS, nullable={"share"})
 def embedding_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
-    for node in ctx.nodes():
-        if node.meta[AMP_KEY].op not in ("embedding", "embedding_bag", "_embedding_bag"):
-            continue
-        m = ctx.owner(node)
-        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            continue
+    for node, m in _owned(ctx, _is_lookup, (nn.Embedding, nn.EmbeddingBag)):
         yield from _hits(node, type(m).__name__, f"{m.num_embeddings}x{m.embedding_dim}",
                          [("num_embeddings", m.num_embeddings, "output-projection N (vocabulary)"),
                           ("embedding_dim", m.embedding_dim, "K of the GEMMs that read it")], ctx.policy.alignment)
@@ -188,12 +196,7 @@ def matmul_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
 
 @matcher("rnn_dims", fields=FIELDS, params=PARAMS, variants={"small"}, nullable={"share"})
 def rnn_dims(ctx: MatchContext, rule) -> Iterator[Hit]:
-    for node in ctx.nodes():
-        if not _runs_low(ctx, node):
-            continue
-        m = ctx.owner(node)
-        if not isinstance(m, (nn.RNNBase, nn.RNNCellBase)):
-            continue
+    for node, m in _owned(ctx, lambda node: _runs_low(ctx, node), (nn.RNNBase, nn.RNNCellBase)):
         yield from _hits(node, type(m).__name__, f"input {m.input_size}, hidden {m.hidden_size}",
                          [("input_size", m.input_size, "input GEMM K"),
                           ("hidden_size", m.hidden_size, "recurrent GEMM K and gate M")], ctx.policy.alignment,
