@@ -12,8 +12,9 @@ count and the smallest nonzero magnitude exactly. An fp32 tensor is binned by it
 and 7 mantissa bits: bf16's patterns, the keys :mod:`ampaudit.runtime.grad_hist` counts too, so a gradient's one
 histogram serves both); a threshold inside a bin (fp16's max, NaN above inf, half of bf16's smallest subnormal)
 takes the bin's elements at or above it from an exact compare, which on CPU runs only when that bin is not empty
-(a read there costs no synchronisation), elsewhere always. Measured on CPU, 1 thread: 65536 bf16 values 152 ->
-~60 us, 262144 bf16 767 -> ~180 us, 65536 fp32 366 -> ~120 us, against six compares of ``count_ge`` each.
+(a read there costs no synchronisation), elsewhere always. Measured on a shared CPU, 1 thread, process CPU time,
+against six compares of ``count_ge`` each: 65536 bf16 values ~150 -> ~100 us, 262144 bf16 ~770 -> ~250 us,
+65536 fp32 ~370 -> ~175 us (varies with the load by about 30%).
 
 Thresholds are those of the *target* dtype (the one autocast lowers to), expressed in the tensor's own
 dtype: an fp32 residual stream is judged by whether it would fit fp16.
