@@ -11,8 +11,6 @@ from import_graph import PACKAGE, cycles, module_graph, package_graph
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
-# Being split into modules of their own concern; the size test passes once they are.
-BEING_SPLIT = {"ampaudit/runtime/divergence.py", "ampaudit/runtime/session.py"}
 
 graph = functools.lru_cache(maxsize=None)(module_graph)
 
@@ -73,13 +71,7 @@ def test_no_function_over_80_lines():
     assert {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES} == {}
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/divergence.py and runtime/session.py are being split; strict: an "
-                                       "XPASS means they are and this marker goes")
 def test_no_module_over_400_lines():
     modules, _ = _sizes()
     assert {m: n for m, n in modules.items() if n > MAX_MODULE_LINES} == {}
 
-
-def test_no_module_over_400_lines_but_the_two_being_split():
-    modules, _ = _sizes()
-    assert {m: n for m, n in modules.items() if n > MAX_MODULE_LINES and m not in BEING_SPLIT} == {}

@@ -36,7 +36,6 @@ backward, which needs them unchanged). It needs FP32 parameters (autocast traini
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -45,13 +44,14 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.notes import note
-from ampaudit.dtypes import is_low, limits
+from ampaudit.dtypes import is_low
 from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.module_stack import module_names
 from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
 from ampaudit.wrappers import unwrap
-from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, finish_metrics, sample_copy
+from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample_copy
+from ampaudit.runtime.divergence_results import ROUNDING_OF as _ROUNDING_OF, module_ranges, read_events
 from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
 from ampaudit.runtime.stats import full_counts
 
@@ -63,7 +63,6 @@ AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
     getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])
     if isinstance(getattr(nn, name, None), type))
 _NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
-_ROUNDING_OF = "_rounding_of"   # tag of a pending row that is a rounding measure of the local row before it
 _ZERO_ERROR = (0.0, 0.0, 0.0, 0.0, 0.0)  # metric sums of two identical tensors: rel_l2 0, max_abs 0
 
 
@@ -316,23 +315,16 @@ class DivergenceProbe:
 
     def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
                    cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = ()) -> None:
-        now = torch.get_rng_state()
-        now_cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_state}
-        torch.set_rng_state(state)
-        for d, s in cuda_state.items():
-            torch.cuda.set_rng_state(s, d)
         self._in_local = True
         if mod in self._composites:
             self._own.start(mod, args, fp32, self._out_dtypes)
         try:
-            with torch.no_grad(), torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
+            with rng_replayed({"cpu": state, "cuda": cuda_state}), torch.no_grad(), \
+                    torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
                 lo = mod(*args, **kwargs)
         finally:
             self._own.stop()
             self._in_local = False
-            torch.set_rng_state(now)
-            for d, s in now_cuda.items():
-                torch.cuda.set_rng_state(s, d)
         # Against the FP32 answer as the module's output dtype holds it: rounding the exact result is the
         # dtype's range (values in fp16's subnormals lose digits in any module that outputs them; AMP503 reports
         # them), not the module's code; a pass-through module fed such values would read as a culprit.
@@ -378,51 +370,11 @@ class DivergenceProbe:
     # --- results -------------------------------------------------------------------------------------
     def events(self) -> list[dict]:
         """Fields of one ``divergence`` event per (module, scope[, param]); one host read for all."""
-        if not self._pending:
-            return []
-        with ieee_fp32():                # the sums are batched products: no TF32 there either
-            batched = self._batch.rows()
-        # Rows of the batch first, then the rows computed on their own (parameter gradients); plain
-        # numbers (modules that cannot add error) need no read.
-        own = [s for _, s in self._pending if isinstance(s, torch.Tensor)]
-        parts = [batched] if batched is not None else []
-        if own:
-            parts.append(torch.stack([r.to(own[0].device) for r in own]))
-        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
-        n, at = len(batched) if batched is not None else 0, iter(range(len(own)))
-        picked = [values[s] if isinstance(s, int) else values[n + next(at)] if isinstance(s, torch.Tensor)
-                  else list(s) for _, s in self._pending]
-        out: list[dict] = []
-        for (tag, _), v in zip(self._pending, picked):
-            if _ROUNDING_OF in tag:      # a rounding measure of the local row just before it
-                out[-1][tag[_ROUNDING_OF]] = finish_metrics(v)["rel_l2"]
-            else:
-                out.append({**tag, **finish_metrics(v)})
-        self._pending.clear()
-        return out
+        return read_events(self._pending, self._batch)
 
     def ranges_by_module(self) -> dict[str, dict]:
         """FP32 reference magnitudes per module, judged against the target dtype (with ``ranges=True``)."""
-        tmax = limits(self.dtype).max
-        result: dict[str, dict] = {}
-        for name, counts, amax in self._range:
-            nonzero, ge_under, ge_tiny, ge_over, _, _ = counts.tolist()
-            a = float(amax)
-            r = result.setdefault(name, {"absmax": 0.0, "nonzero": 0, "below_tiny": 0, "flush": 0,
-                                         "overflow": 0})
-            r["absmax"] = max(r["absmax"], a)
-            r["nonzero"] += nonzero
-            r["below_tiny"] += nonzero - ge_tiny
-            r["flush"] += nonzero - ge_under
-            r["overflow"] += ge_over
-        for r in result.values():
-            a = r["absmax"]
-            r["headroom_bits"] = (math.log2(tmax / a) if a > 0 and math.isfinite(a)
-                                  else (math.inf if a == 0 else -math.inf))
-            n = max(r.pop("nonzero"), 1)
-            r["underflow_share"] = r.pop("below_tiny") / n
-            r["flush_share"] = r.pop("flush") / n
-        return result
+        return module_ranges(self._range, self.dtype)
 
     def _put_buffers_back(self) -> None:
         restore, self._restore_buffers = self._restore_buffers, None

@@ -10,7 +10,9 @@ Bins are integer exponents, ``floor(log2|x|)`` from :data:`LO` to :data:`HI`, pl
 16-bit gradient's magnitude bits (the sign cleared) index a 32768-entry count (one ``bincount``, about twice an
 ``amax``, measured on CPU); an fp32 gradient is counted by its top 16 bits, which hold its exponent and the lead
 of its mantissa (so bf16's bins; fp32 values below 2^-133, bf16's smallest subnormal, count as zeros). A fixed
-table folds the 32768 counts into exponent bins on the device.
+table folds the 32768 counts into exponent bins on the device. Those 32768 counts are
+:func:`ampaudit.runtime.magnitude_counts.key_histogram`, from which the statistics' exact counts of the same
+gradient are read too: the watch makes it once per gradient.
 
 ``counts`` are the gradients as they flowed: with a loss scaler, scaled. The event carries the ``scale`` they
 were measured at (None: unknown), so a reader shifts them by ``-log2(scale)`` to see the gradients a run without
@@ -23,6 +25,8 @@ import math
 from typing import Any
 
 import torch
+
+from ampaudit.runtime.magnitude_counts import key_histogram
 
 LO = -133          # floor(log2) of bf16's smallest subnormal: the lowest bin a 16-bit magnitude resolves
 HI = 127           # floor(log2) of fp32's largest finite value
@@ -46,18 +50,13 @@ def _fold_table(view: torch.dtype, device: torch.device) -> torch.Tensor:
     return _FOLD[key]
 
 
-def log2_counts(t: torch.Tensor) -> torch.Tensor:
+def log2_counts(t: torch.Tensor, histogram: torch.Tensor | None = None) -> torch.Tensor:
     """(NBINS + 2,) int64 device tensor: how many of ``t``'s values fall in each exponent bin, then zeros and
-    inf/NaN. Queues device work only."""
-    t = t.detach()
-    if t.dtype not in _VIEW:
-        t = t.float()
-    if t.dtype == torch.float32:
-        bits = (t.view(torch.int32) >> 16) & 0x7FFF
-    else:
-        bits = t.view(torch.int16) & 0x7FFF
-    raw = torch.bincount(bits.flatten(), minlength=1 << 15)
-    table = _fold_table(_VIEW[t.dtype], t.device)
+    inf/NaN. Queues device work only. ``histogram``: ``key_histogram(t)``, if already made (the statistics of
+    the same gradient count the same keys)."""
+    raw = histogram if histogram is not None else key_histogram(t)
+    view = _VIEW.get(t.dtype, torch.bfloat16)        # other floats are keyed as float32: bf16's patterns
+    table = _fold_table(view, t.device)
     return torch.zeros(NBINS + 2, dtype=torch.int64, device=t.device).index_add_(0, table, raw)
 
 
@@ -93,13 +92,15 @@ class GradHistograms:
         self._latest_scale: tuple[int, float] | None = None      # (step, scale) noted last, kept across drains
         self._last: tuple | None = None                          # (tensor, counts): one hook serving two slots
 
-    def observe(self, slots: list[int], t: torch.Tensor, step: int | None) -> None:
-        """Count ``t`` (a floating gradient) for each of ``slots``, in the group of ``step``."""
+    def observe(self, slots: list[int], t: torch.Tensor, step: int | None,
+                histogram: torch.Tensor | None = None) -> None:
+        """Count ``t`` (a floating gradient) for each of ``slots``, in the group of ``step``. ``histogram``:
+        ``key_histogram(t)``, if already made."""
         seen = self._last
         if seen is not None and seen[0] is t:
             counts = seen[1]
         else:
-            counts = log2_counts(t)
+            counts = log2_counts(t, histogram)
             self._last = (t, counts)
         group = self._groups.setdefault(step, {})
         for slot in slots:

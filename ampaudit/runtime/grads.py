@@ -3,6 +3,7 @@ trainer's halt diagnosis share.
 
     found = nonfinite_grads(model.named_parameters())       # {"params": ["fc.weight"], "modules": ["fc"]}
     found = from_flags(names, ~torch.isfinite(norms))         # when per-parameter norms are already computed
+    names, norms = param_grad_norms(list(model.named_parameters()))   # those norms, one fused pass, not read
 
 One host read for all parameters (a stacked flag tensor), parameters in ``named_parameters`` order, modules sorted
 (dotted paths, "" for the top module): the same step gives the same event wherever it is written.
@@ -47,3 +48,19 @@ def nonfinite_grads(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[st
     others); :func:`ampaudit.train.fsdp.nonfinite_grads` joins every rank's."""
     names, flags = nonfinite_flags(named_params)
     return from_flags(names, flags) if flags is not None else {"params": [], "modules": []}
+
+
+def param_grad_norms(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor | None]:
+    """Names of the parameters (of ``named``) that have gradients, and their L2 norms as one fp32 tensor
+    (not read back)."""
+    names = [n for n, p in named if p.grad is not None]
+    if not names:
+        return [], None
+    # FSDP shards: each norm is of this rank's shard (the whole tensor's needs every rank; see end_step).
+    grads = [local(p.grad.detach()) for _, p in named if p.grad is not None]
+    try:
+        # One fused pass, as clip_grad_norm_ does.
+        return names, torch.stack(torch._foreach_norm(grads)).float()
+    except (RuntimeError, TypeError):               # gradients on several devices or in several dtypes
+        device = grads[0].device
+        return names, torch.stack([torch.linalg.vector_norm(g).float().to(device) for g in grads])

@@ -31,7 +31,7 @@ from ampaudit.runtime.locate import judge_against_fp32, replay
 from ampaudit.runtime.replay_state import capture_rng, float_tensors
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
-from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes
+from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes, key_histogram
 
 
 _NO_HOOKED: tuple = (None, ())      # statistics: no tensor whose gradient hook is shared (see _on_module_output)
@@ -156,9 +156,9 @@ class PassHooks:
         for t in outs:
             if not t.is_floating_point():
                 continue
-            self._acc.observe(fslot, t, full=full)
+            lohi = self._acc.observe(fslot, t, full=full)
             if full and self._prec is not None:
-                self._prec.observe_activation(self._acc.names[fslot][0], t)
+                self._prec.observe_activation(self._acc.names[fslot][0], t, lohi)
             if t.requires_grad:
                 if t is p.hooked[0]:
                     # A container returning its child's output: one gradient hook serves both modules.
@@ -173,10 +173,12 @@ class PassHooks:
 
         def hook(grad: torch.Tensor) -> None:
             if not self._suspended and grad is not None and grad.is_floating_point():
+                # One histogram of the gradient's magnitude bits gives both its exact counts and its log2 bins.
+                raw = key_histogram(grad) if hist is not None else None
                 for slot in slots:
-                    self._acc.observe(slot, grad, full=full)
+                    self._acc.observe(slot, grad, full=full, histogram=raw)
                 if hist is not None:
-                    hist.observe(slots, grad, step)
+                    hist.observe(slots, grad, step, histogram=raw)
         return hook
 
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:

@@ -299,14 +299,16 @@ class PrecursorMeter:
         with torch.autocast(out.device.type, enabled=False):
             self._out_lse.append((self._step, torch.logsumexp(rows.float(), dim=-1).mean()))
 
-    def observe_activation(self, module: str, t: torch.Tensor) -> None:
+    def observe_activation(self, module: str, t: torch.Tensor,
+                           extremes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``module``'s |output| max and the median |x| of a strided sample of it (on the counting pass of an
-        interval: once per module and interval)."""
+        interval: once per module and interval). ``extremes``: ``t``'s (min, max), if already computed (the
+        statistics have them)."""
         if module in self._massive or not t.numel():
             return
         n = int(self.cfg["massive_activation"]["sample"])
         flat = t.detach().reshape(-1)
-        lo, hi = torch.aminmax(flat)
+        lo, hi = extremes if extremes is not None else torch.aminmax(flat)
         median = flat[:: max(1, flat.numel() // n)][:n].abs().float().median()
         self._massive[module] = (self._step, torch.maximum(-lo, hi).float(), median)
 

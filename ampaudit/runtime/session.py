@@ -25,10 +25,9 @@ On the steps the statistics sample, in-place updates of low-precision state that
 (``swamping`` events, :mod:`ampaudit.runtime.swamping`; the trainer adds its optimizer and FP32 masters with
 ``session.measure_updates(optimizer=..., mastered=..., names=...)``).
 Everything the watch finds (``stats``, ``nonfinite``, ``divergence``, ``skip``, ``precursor``), the ``step`` events
-and, when the model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events
-(:mod:`ampaudit.runtime.fp8_stats`), and for a plan's low-precision layers ``recipe_stats`` and, with
-``fp8_fallback``, ``fallback`` events (:mod:`ampaudit.runtime.recipe_stats`, :mod:`ampaudit.runtime.fallback`)
-go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
+and, when the model holds torchao Float8Linear layers (a plan's), their ``fp8`` / ``fp8_budget`` events, and for a
+plan's low-precision layers ``recipe_stats`` and, with ``fp8_fallback``, ``fallback`` events (those meters:
+:mod:`ampaudit.runtime.layer_meters`) go to one trace: the JSON Lines file ``trace``, an open :class:`TraceWriter`
 (not closed here), or memory (``session.events``) when ``trace`` is None and ``memory`` is True.
 """
 from __future__ import annotations
@@ -47,32 +46,14 @@ import torch
 import torch.nn as nn
 
 from ampaudit.dtypes import name_of
-from ampaudit.runtime.grads import from_flags, is_sharded, local, nonfinite_grads
+from ampaudit.runtime.grads import from_flags, is_sharded, nonfinite_grads, param_grad_norms  # noqa: F401
 from ampaudit.runtime.trace import TraceWriter, read_trace
 from ampaudit.runtime.trace_schema import meta as trace_meta
 
 if TYPE_CHECKING:
-    from ampaudit.runtime.fallback import Fallback
-    from ampaudit.runtime.fp8_stats import Fp8Stats
-    from ampaudit.runtime.recipe_stats import RecipeStats
+    from ampaudit.runtime.layer_meters import LayerMeters
     from ampaudit.runtime.swamping import SwampMeter
     from ampaudit.runtime.watch import Watch
-
-
-def param_grad_norms(named: list[tuple[str, nn.Parameter]]) -> tuple[list[str], torch.Tensor | None]:
-    """Names of the parameters (of ``named``) that have gradients, and their L2 norms as one fp32 tensor
-    (not read back)."""
-    names = [n for n, p in named if p.grad is not None]
-    if not names:
-        return [], None
-    # FSDP shards: each norm is of this rank's shard (the whole tensor's needs every rank; see end_step).
-    grads = [local(p.grad.detach()) for _, p in named if p.grad is not None]
-    try:
-        # One fused pass, as clip_grad_norm_ does.
-        return names, torch.stack(torch._foreach_norm(grads)).float()
-    except (RuntimeError, TypeError):               # gradients on several devices or in several dtypes
-        device = grads[0].device
-        return names, torch.stack([torch.linalg.vector_norm(g).float().to(device) for g in grads])
 
 
 def _float(value: Any) -> float | None:
@@ -129,9 +110,7 @@ class WatchSession:
         self.on_close = on_close    # given the run's events after the trace is closed (TensorBoard's writer)
         self.fp8_fallback, self.plan_file = fp8_fallback, plan_file
         self.watch: Watch | None = None
-        self.fp8: Fp8Stats | None = None
-        self.recipes: RecipeStats | None = None
-        self.fallback: Fallback | None = None
+        self.layers: LayerMeters | None = None      # fp8 and recipe statistics, the fallback (with the statistics)
         self._recipe_state: dict | None = None
         self.swamp: SwampMeter | None = None
         self._model: nn.Module | None = None
@@ -192,13 +171,11 @@ class WatchSession:
         self.watch = Watch(model, self.writer, every=self.every, divergence_every=self.divergence_every,
                            dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats, **options)
         if self.stats:
-            from ampaudit.runtime.fp8_stats import Fp8Stats
+            from ampaudit.runtime.layer_meters import LayerMeters
 
-            self._attach_recipes(model)
-            # None unless the model holds torchao Float8Linear layers (a plan's): then `fp8` events too.
-            self.fp8 = Fp8Stats.attach(model, self.writer, every=self.every,
-                                       fallback=self.fp8_fallback and self.fallback is None,
-                                       skip=lambda: self.watch is not None and self.watch.replaying)
+            self.layers = LayerMeters.attach(model, self.writer, every=self.every, fp8_fallback=self.fp8_fallback,
+                                             plan_file=self.plan_file, recipe_state=self._recipe_state,
+                                             skip=lambda: self.watch is not None and self.watch.replaying)
             self._model = model
             self.measure_updates()
 
@@ -211,46 +188,15 @@ class WatchSession:
             run.update(integration=integration, every=self.every, divergence_every=self.divergence_every)
         return trace_meta(source, step=step, **{**run, **given})
 
-    def _attach_recipes(self, model: nn.Module) -> None:
-        """`recipe_stats` of a plan's low-precision layers (none: nothing imported), and their fallback."""
-        from ampaudit.precision.convert import recipes_of
-
-        if not recipes_of(model):
-            return
-        from ampaudit.runtime.fallback import Fallback
-        from ampaudit.runtime.recipe_stats import RecipeStats
-
-        self.recipes = RecipeStats.attach(model, self.writer, every=self.every,
-                                          skip=lambda: self.watch is not None and self.watch.replaying)
-        if self.recipes is not None and self._recipe_state:
-            self.recipes.load_state_dict(self._recipe_state)
-        if self.recipes is not None and self.fp8_fallback:
-            self.fallback = Fallback(self.writer, plan_file=self.plan_file, on_switch=self._switched)
-
-    def _switched(self, name: str, mod: nn.Module) -> None:
-        """A layer changed recipe: the float8 statistics follow it, the recipe statistics drop it once high."""
-        from ampaudit.precision.recipes import HIGH_PRECISION
-
-        if self.fp8 is not None:
-            if hasattr(mod, "linear_mm_config"):     # a Float8Linear now
-                self.fp8.layers[name] = mod
-            else:
-                self.fp8.layers.pop(name, None)
-        if self.recipes is not None:
-            if mod.ampaudit_recipe["choice"] in HIGH_PRECISION:
-                self.recipes.untrack(name)
-            else:       # the new recipe is judged on the growth it has seen, from its first sampled step on
-                self.recipes.reference.pop(name, None)
-
     def recipe_state(self) -> dict | None:
         """What a checkpoint keeps of the recipe statistics (their first-step amaxes), or None."""
-        return self.recipes.state_dict() if self.recipes is not None else self._recipe_state
+        return self.layers.recipe_state() if self.layers is not None else self._recipe_state
 
     def restore_recipe_state(self, state: dict | None) -> None:
         """Restore :meth:`recipe_state` from a checkpoint (before :meth:`start`, which applies it)."""
         self._recipe_state = state
-        if self.recipes is not None and state:
-            self.recipes.load_state_dict(state)
+        if self.layers is not None and state:
+            self.layers.restore_recipe_state(state)
 
     def measure_updates(self, *, optimizer: torch.optim.Optimizer | None = None,
                         mastered: list[torch.Tensor] | tuple = (), names: dict[int, str] | None = None) -> None:
@@ -281,10 +227,8 @@ class WatchSession:
             if self.swamp is not None and (step == self._first_step or step % self.every == 0):
                 self.swamp.begin(step)
         self.watch.set_step(step)
-        if self.fp8 is not None:
-            self.fp8.begin_step(step)
-        if self.recipes is not None:
-            self.recipes.begin_step(step)
+        if self.layers is not None:
+            self.layers.begin_step(step)
 
     def due(self, step: int) -> bool:
         """Whether the watch wants to see ``step``'s passes: the first step, one per ``every``, the divergence
@@ -293,8 +237,7 @@ class WatchSession:
             return False
         dv = self.divergence_every
         return (step == self._first_step or step % self.every == 0 or (dv is not None and step % dv == 0)
-                or (self.fp8 is not None and self.fp8.sampled(step))
-                or (self.recipes is not None and self.recipes.sampled(step)))
+                or (self.layers is not None and self.layers.sampled(step)))
 
     def set_hooks(self, on: bool) -> None:
         """Attach (``on``) or detach the watch's module hooks, e.g. around passes of a compiled model, which
@@ -351,12 +294,8 @@ class WatchSession:
         if self.watch is None or self._step is None:
             return
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else None
-        if self.fp8 is not None:     # the step's fp8 events (its backward is done) go before its `step` line
-            self.fp8.end_step(self._step)
-        if self.recipes is not None:     # and its recipe statistics; a layer past its budget switches now
-            found = self.recipes.end_step(self._step)
-            if self.fallback is not None and found:
-                self.fallback.judge(self._step, found, self.recipes.layers)
+        if self.layers is not None:     # the step's fp8 and recipe events go before its `step` line
+            self.layers.end_step(self._step)
         if self.swamp is not None and self.swamp.active:   # the optimizer has stepped: the step's updates are in
             for event in self.swamp.finish():
                 self.writer.write("swamping", **event)
@@ -426,16 +365,14 @@ class WatchSession:
     def close_watch(self) -> None:
         """Flush the watch's statistics and remove its hooks; the trace stays open for :meth:`write`."""
         watch, self.watch = self.watch, None
-        fp8, self.fp8 = self.fp8, None
-        recipes, self.recipes, self.fallback = self.recipes, None, None
-        if recipes is not None:
-            self._recipe_state = recipes.state_dict()
-            recipes.close()
+        layers, self.layers = self.layers, None
+        if layers is not None:
+            if layers.recipes is not None:
+                self._recipe_state = layers.recipe_state()
+            layers.close()
         swamp, self.swamp = self.swamp, None
         if swamp is not None:
             swamp.abort()
-        if fp8 is not None:
-            fp8.close()
         if watch is not None:
             watch.close()
 

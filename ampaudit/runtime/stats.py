@@ -6,101 +6,27 @@
     nonfinite_slots = acc.end_pass()          # once per forward/backward pass: ONE host read
     records = acc.drain()                     # once per interval: list of ``stats`` event fields
 
-Two tiers keep the hot path cheap (measured on CPU: counting costs ~10x a max):
+Two tiers keep the hot path cheap (measured on CPU: counting costs ~5-8x a max):
 - every pass, every tensor: ``absmax`` (abs + amax, two kernels). A NaN/inf makes it non-finite, so the
   same number doubles as the per-module non-finite flag; ``end_pass`` stacks the pass's maxima and reads
   one boolean (the same single sync a GradScaler makes per step).
 - on "full" passes (one in ``counts_every``): exact counts of zeros, values that would flush to zero or be
   subnormal in the target dtype, values above its max, inf and NaN, and the smallest nonzero magnitude.
 
-Counting uses the float's bit pattern: with the sign bit cleared, an IEEE float's bits order like its
-magnitude, so "|x| >= threshold" is an integer compare. ``count_ge`` does that compare with an add that
-overflows into the sign bit and a shift, because on CPU a compare-to-bool plus sum is ~3x slower.
-Thresholds are those of the *target* dtype (the one autocast lowers to), expressed in the tensor's own
+Counting reads one histogram of the tensor's magnitude bits (:mod:`ampaudit.runtime.magnitude_counts`);
+thresholds are those of the *target* dtype (the one autocast lowers to), expressed in the tensor's own
 dtype: an fp32 residual stream is judged by whether it would fit fp16.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ampaudit.dtypes import is_half, limits
-
-# Signed integer dtype with the same width as each float dtype (bit-pattern views).
-_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-             torch.float64: torch.int64}
-# Count columns of the accumulator, in order.
-COUNT_FIELDS = ("nonzero", "ge_underflow", "ge_tiny", "ge_over", "ge_inf", "ge_nan")
-
-
-@dataclass(frozen=True)
-class _Thresholds:
-    """Bit-pattern thresholds of one (tensor dtype, target dtype) pair."""
-
-    itype: torch.dtype
-    width: int
-    underflow: int      # |x| below this rounds to zero in the target dtype
-    tiny: int           # smallest normal of the target dtype
-    over: int           # first magnitude above the target dtype's max
-    inf: int            # bits of +inf in the tensor's dtype (NaN bits are larger)
-
-
-def _bits(value: float, dtype: torch.dtype) -> int:
-    return int(torch.tensor(value, dtype=torch.float64).to(dtype).view(_INT_VIEW[dtype]).item())
-
-
-_THRESHOLDS: dict[tuple[torch.dtype, torch.dtype], _Thresholds] = {}
-
-
-def thresholds(dtype: torch.dtype, target: torch.dtype) -> _Thresholds:
-    """Bit thresholds for tensors of ``dtype`` judged against ``target`` (cached)."""
-    key = (dtype, target)
-    if key not in _THRESHOLDS:
-        fi, ti = limits(dtype), limits(target)
-        inf = _bits(math.inf, dtype)
-        underflow = max(1, _bits(ti.subnormal / 2, dtype))
-        tiny = max(underflow, _bits(ti.normal, dtype))
-        over = inf if ti.max >= fi.max else max(tiny, _bits(ti.max, dtype) + 1)
-        _THRESHOLDS[key] = _Thresholds(_INT_VIEW[dtype], fi.bits, underflow, tiny, over, inf)
-    return _THRESHOLDS[key]
-
-
-def magnitude_bits(t: torch.Tensor) -> torch.Tensor:
-    """|t| viewed as signed integers of the same width: monotone in magnitude, NaN above inf."""
-    return t.detach().abs().view(_INT_VIEW[t.dtype])
-
-
-def count_ge(bits: torch.Tensor, threshold: int, width: int) -> torch.Tensor:
-    """0-d int64 device tensor: how many ``bits >= threshold`` (threshold >= 1), without a bool pass."""
-    # bits + (2^(w-1) - threshold) reaches the sign bit exactly when bits >= threshold; the arithmetic
-    # shift turns that into -1, everything else into 0.
-    return torch.count_nonzero((bits + ((1 << (width - 1)) - threshold)) >> (width - 1))
-
-
-def full_counts(t: torch.Tensor, target: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts[6] int64, min_nonzero 0-d float32)`` of one float tensor, all on its device (an empty tensor:
-    zero counts, min_nonzero inf)."""
-    if not t.numel():                       # amin of nothing raises (a detector with no detections)
-        return (torch.zeros(len(COUNT_FIELDS), dtype=torch.int64, device=t.device),
-                torch.full((), math.inf, device=t.device))
-    if t.dtype not in _INT_VIEW:            # float8: its values are exact in float32, thresholds too
-        t = t.float()
-    th = thresholds(t.dtype, target)
-    bits = magnitude_bits(t)
-    done = {1: torch.count_nonzero(bits)}
-    cols = [done[1]]
-    for thr in (th.underflow, th.tiny, th.over, th.inf, th.inf + 1):
-        if thr not in done:                 # thresholds that coincide (fp16 judged as fp16) count once
-            done[thr] = count_ge(bits, thr, th.width)
-        cols.append(done[thr])
-    counts = torch.stack(cols)
-    # zero -> all ones (largest), so amin finds the smallest nonzero; +1 undoes the shift.
-    mask = (1 << (th.width - 1)) - 1
-    min_bits = ((bits - 1) & mask).amin().clamp(max=th.inf - 1) + 1   # all zero -> inf -> reported None
-    min_nz = min_bits.to(th.itype).view(t.dtype).float()
-    return counts, min_nz
+# Re-exported: the counting helpers lived here first.
+from ampaudit.runtime.magnitude_counts import (COUNT_FIELDS, count_ge, full_counts, key_histogram,  # noqa: F401
+                                               magnitude_bits, thresholds)
 
 
 def extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +92,10 @@ class StatsAccumulator:
         self._observed: dict[int, int] = {}
         self._full_passes: dict[int, int] = {}
 
-    def observe(self, slot: int, t: torch.Tensor, *, full: bool) -> None:
-        """Queue statistics of ``t`` (a floating tensor) for ``slot``; reads nothing back."""
+    def observe(self, slot: int, t: torch.Tensor, *, full: bool,
+                histogram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue statistics of ``t`` (a floating tensor) for ``slot``; reads nothing back. Returns ``t``'s
+        (min, max) 0-d device tensors. ``histogram``: ``key_histogram(t)``, if the caller already made it."""
         if self._device is None:
             self._device = t.device
         seen = self._last
@@ -178,7 +106,7 @@ class StatsAccumulator:
             amax = extremes(t)
             counts = min_nz = None
             if full:
-                counts, min_nz = full_counts(t, self.target)
+                counts, min_nz = full_counts(t, self.target, histogram)
                 if t.device != self._device:
                     counts, min_nz = counts.to(self._device), min_nz.to(self._device)
             self._last = (t, amax, counts, min_nz)
@@ -193,6 +121,7 @@ class StatsAccumulator:
             else:
                 self._counts[slot], self._min_nz[slot] = counts.clone(), min_nz
             self._numel[slot] = self._numel.get(slot, 0) + t.numel()
+        return amax
 
     def end_pass(self, *, full: bool = False) -> list[tuple[str, str]]:
         """Fold this pass's maxima into the interval; return the (module, phase) slots that saw inf/NaN.

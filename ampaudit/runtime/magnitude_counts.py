@@ -1,0 +1,186 @@
+"""Exact counts of a tensor's magnitudes against a target dtype's limits, from one histogram of its bit patterns.
+
+    counts, min_nz = full_counts(t, torch.float16)   # counts[6] int64 (COUNT_FIELDS), min_nonzero: 0-d float32
+    raw = key_histogram(t)                           # (32768,) int64: elements per 15-bit magnitude key
+    counts, min_nz = full_counts(t, torch.float16, histogram=raw)   # the same, reusing a histogram
+    hit = count_ge(magnitude_bits(t), threshold, width)              # one threshold, by integer compare
+
+With the sign bit cleared, an IEEE float's bits order like its magnitude, so "|x| >= threshold" is an integer
+compare, and every threshold at once is a suffix sum of a histogram of the bits. A 16-bit float's 15 magnitude bits
+index a 32768-entry ``bincount`` (one pass over the tensor, then a few ops on the 32768 counts); that gives every
+count and the smallest nonzero magnitude exactly. An fp32 tensor is binned by its top 15 magnitude bits (exponent
+and 7 mantissa bits: bf16's patterns, the keys :mod:`ampaudit.runtime.grad_hist` counts too, so a gradient's one
+histogram serves both); a threshold inside a bin (fp16's max, NaN above inf, half of bf16's smallest subnormal)
+takes the bin's elements at or above it from an exact compare, which on CPU runs only when that bin is not empty
+(a read there costs no synchronisation), elsewhere always. Measured on a shared CPU, 1 thread, process CPU time,
+against six compares of ``count_ge`` each: 65536 bf16 values ~150 -> ~100 us, 262144 bf16 ~770 -> ~250 us,
+65536 fp32 ~370 -> ~175 us (varies with the load by about 30%).
+
+Thresholds are those of the *target* dtype (the one autocast lowers to), expressed in the tensor's own
+dtype: an fp32 residual stream is judged by whether it would fit fp16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ampaudit.dtypes import limits
+
+# Signed integer dtype with the same width as each float dtype (bit-pattern views).
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+# Count columns of a count, in order.
+COUNT_FIELDS = ("nonzero", "ge_underflow", "ge_tiny", "ge_over", "ge_inf", "ge_nan")
+KEYS = 1 << 15                       # 15-bit magnitude keys
+_KEY_SHIFT = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 16}
+
+
+@dataclass(frozen=True)
+class _Thresholds:
+    """Bit-pattern thresholds of one (tensor dtype, target dtype) pair."""
+
+    itype: torch.dtype
+    width: int
+    underflow: int      # |x| below this rounds to zero in the target dtype
+    tiny: int           # smallest normal of the target dtype
+    over: int           # first magnitude above the target dtype's max
+    inf: int            # bits of +inf in the tensor's dtype (NaN bits are larger)
+
+    @property
+    def columns(self) -> tuple[int, ...]:
+        """The threshold of each of COUNT_FIELDS."""
+        return (1, self.underflow, self.tiny, self.over, self.inf, self.inf + 1)
+
+
+def _bits(value: float, dtype: torch.dtype) -> int:
+    return int(torch.tensor(value, dtype=torch.float64).to(dtype).view(_INT_VIEW[dtype]).item())
+
+
+_THRESHOLDS: dict[tuple[torch.dtype, torch.dtype], _Thresholds] = {}
+
+
+def thresholds(dtype: torch.dtype, target: torch.dtype) -> _Thresholds:
+    """Bit thresholds for tensors of ``dtype`` judged against ``target`` (cached)."""
+    key = (dtype, target)
+    if key not in _THRESHOLDS:
+        fi, ti = limits(dtype), limits(target)
+        inf = _bits(math.inf, dtype)
+        underflow = max(1, _bits(ti.subnormal / 2, dtype))
+        tiny = max(underflow, _bits(ti.normal, dtype))
+        over = inf if ti.max >= fi.max else max(tiny, _bits(ti.max, dtype) + 1)
+        _THRESHOLDS[key] = _Thresholds(_INT_VIEW[dtype], fi.bits, underflow, tiny, over, inf)
+    return _THRESHOLDS[key]
+
+
+def magnitude_bits(t: torch.Tensor) -> torch.Tensor:
+    """|t| viewed as signed integers of the same width: monotone in magnitude, NaN above inf."""
+    return t.detach().abs().view(_INT_VIEW[t.dtype])
+
+
+def count_ge(bits: torch.Tensor, threshold: int, width: int) -> torch.Tensor:
+    """0-d int64 device tensor: how many ``bits >= threshold`` (threshold >= 1), without a bool pass."""
+    # bits + (2^(w-1) - threshold) reaches the sign bit exactly when bits >= threshold; the arithmetic
+    # shift turns that into -1, everything else into 0 (on CPU a compare-to-bool plus sum is ~3x slower).
+    return torch.count_nonzero((bits + ((1 << (width - 1)) - threshold)) >> (width - 1))
+
+
+def _keyed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, in a dtype that has 15-bit keys (other floats as float32)."""
+    t = t.detach()
+    return t if t.dtype in _KEY_SHIFT else t.float()
+
+
+def key_histogram(t: torch.Tensor) -> torch.Tensor:
+    """(32768,) int64 device tensor: how many of ``t``'s elements have each 15-bit magnitude key (a 16-bit float's
+    magnitude bits; an fp32's top 15, bf16's patterns; other floats as fp32). Queues device work only."""
+    t = _keyed(t)
+    if t.dtype == torch.float32:
+        keys = (t.view(torch.int32) >> 16) & 0x7FFF
+    else:
+        keys = t.view(torch.int16) & 0x7FFF
+    return torch.bincount(keys.reshape(-1), minlength=KEYS)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one (dtype, target, device) reads its counts off a key histogram."""
+
+    below: torch.Tensor           # per column: the key whose cumulative count is subtracted from numel
+    inside: tuple[tuple[int, int, int], ...]    # (column, threshold, its key): thresholds inside a key's bin
+    inside_keys: torch.Tensor
+
+
+_PLANS: dict[tuple[torch.dtype, torch.dtype, torch.device], _Plan] = {}
+
+
+def _plan(dtype: torch.dtype, target: torch.dtype, device: torch.device) -> _Plan:
+    key = (dtype, target, device)
+    if key not in _PLANS:
+        shift = _KEY_SHIFT[dtype]
+        below, inside = [], []
+        for col, thr in enumerate(thresholds(dtype, target).columns):
+            # ge(thr) = numel - cumsum[key(thr) - 1] when thr starts its key's bin; else numel - cumsum[key(thr)],
+            # plus the elements of that bin at or above thr (column 0, nonzero, is counted directly).
+            aligned = thr & ((1 << shift) - 1) == 0
+            below.append((thr >> shift) - (1 if aligned else 0))
+            if not aligned and col:
+                inside.append((col, thr, thr >> shift))
+        _PLANS[key] = _Plan(torch.tensor(below, device=device), tuple(inside),
+                            torch.tensor([k for _, _, k in inside], dtype=torch.long, device=device))
+    return _PLANS[key]
+
+
+def full_counts(t: torch.Tensor, target: torch.dtype,
+                histogram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts[6] int64, min_nonzero 0-d float32)`` of one float tensor, all on its device (an empty tensor:
+    zero counts, min_nonzero inf). ``histogram``: :func:`key_histogram` of ``t``, if already made."""
+    if not t.numel():                       # amin of nothing raises (a detector with no detections)
+        return (torch.zeros(len(COUNT_FIELDS), dtype=torch.int64, device=t.device),
+                torch.full((), math.inf, device=t.device))
+    t = _keyed(t) if t.dtype != torch.float64 else t.detach()   # float8: exact in float32, thresholds too
+    if t.dtype == torch.float64:
+        return _compared_counts(t, target)
+    th = thresholds(t.dtype, target)
+    plan = _plan(t.dtype, target, t.device)
+    n = t.numel()
+    if t.dtype != torch.float32:
+        raw = histogram if histogram is not None else key_histogram(t)
+        cum = raw.cumsum(0)
+        counts = n - cum.index_select(0, plan.below)
+        # The smallest nonzero key: the first where the (sorted) cumulative count passes the zeros' (a binary
+        # search); none below inf -> inf, reported as None.
+        first = torch.searchsorted(cum, cum[:1], right=True).clamp_(max=th.inf).reshape(())
+        return counts, first.to(th.itype).view(t.dtype).float()
+    bits = t.abs().view(torch.int32)
+    raw = histogram if histogram is not None else torch.bincount((bits >> 16).reshape(-1), minlength=KEYS)
+    counts = n - raw.cumsum(0).index_select(0, plan.below)
+    nonzero = torch.count_nonzero(bits)
+    counts[0] = nonzero
+    if plan.inside:
+        if t.device.type == "cpu":
+            # Elements of each such bin other than the zeros (key 0 holds them): when none, the suffix is exact.
+            seen = torch.cat([raw.index_select(0, plan.inside_keys), nonzero.reshape(1)]).tolist()
+            due = [(col, thr) for (col, thr, k), c in zip(plan.inside, seen) if c - (n - seen[-1] if k == 0 else 0)]
+        else:
+            due = [(col, thr) for col, thr, _ in plan.inside]
+        for col, thr in due:
+            counts[col] = count_ge(bits, thr, th.width)
+    # zero -> all ones (largest), so amin finds the smallest nonzero; +1 undoes the shift.
+    min_bits = bits.sub_(1).bitwise_and_(0x7FFFFFFF).amin().clamp(max=th.inf - 1) + 1
+    return counts, min_bits.to(th.itype).view(t.dtype).float()
+
+
+def _compared_counts(t: torch.Tensor, target: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # float64: one integer compare per threshold (no histogram key covers 64-bit patterns).
+    th = thresholds(t.dtype, target)
+    bits = magnitude_bits(t)
+    done = {1: torch.count_nonzero(bits)}
+    for thr in th.columns[1:]:
+        if thr not in done:                 # thresholds that coincide count once
+            done[thr] = count_ge(bits, thr, th.width)
+    counts = torch.stack([done[thr] for thr in th.columns])
+    mask = (1 << (th.width - 1)) - 1
+    min_bits = ((bits - 1) & mask).amin().clamp(max=th.inf - 1) + 1   # all zero -> inf -> reported None
+    return counts, min_bits.to(th.itype).view(t.dtype).float()
