@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import functools
 
-import pytest
 from import_graph import PACKAGE, cycles, module_graph, package_graph
 
 MAX_MODULE_LINES = 400
