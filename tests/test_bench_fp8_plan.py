@@ -1,6 +1,7 @@
 """bench/fp8_plan.py --quick: the three variants train side by side on the three models and the table prints."""
 from __future__ import annotations
 
+import pytest
 import importlib.util
 import json
 import sys
@@ -17,6 +18,7 @@ def load():
     return module
 
 
+@pytest.mark.slow     # trains the bench models: ~5 s
 def test_quick_run_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "fp8.json"
     assert load().main(["--quick", "--steps", "6", "--json", str(out)]) == 0

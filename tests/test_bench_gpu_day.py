@@ -218,6 +218,7 @@ def test_calibration_on_the_device_path_finds_what_check_calibrate_finds():
 
 # -- trainer speed and watch cost --------------------------------------------------------------------------------
 
+@pytest.mark.slow     # alternates two training loops: ~4 s
 def test_trainer_speed_alternates_both_loops_and_records_tokens_and_memory(tmp_path):
     from gpu_day_train import trainer_speed
 

@@ -89,7 +89,7 @@ def test_meta_model_cannot_be_calibrated():
 
 
 @pytest.mark.parametrize("name, args, words", [
-    ("hangs.py", ["--timeout", "3"], "did not finish within 3 s"),
+    pytest.param("hangs.py", ["--timeout", "3"], "did not finish within 3 s", marks=pytest.mark.slow),  # waits 3 s
     ("returns_string.py", [], "returns str, not tensors"),
     ("forward_raises.py", [], "raised ValueError: bad shapes"),
 ])

@@ -80,6 +80,7 @@ def test_train_trace_and_report_name_the_culprit(path, tmp_path):
     assert "Decisions vs FP32" in out and m.EXPECT["culprit"] in out and "keep_fp32" in out
 
 
+@pytest.mark.slow     # a calibrated check, a traced run and a report
 def test_report_confirms_the_check_finding(tmp_path):
     path = PLANTED / "moe_router_bf16.py"
     events = _train(path, tmp_path / "run.jsonl")

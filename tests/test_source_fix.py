@@ -51,6 +51,7 @@ def _flat(out):
     return [t for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
+@pytest.mark.slow     # one audit and fix per rule fixture: ~25 s in all
 @pytest.mark.parametrize("rule", FIXTURES)
 def test_fixture_before_becomes_after(rule, tmp_path):
     before = HERE / "source_fix" / rule / "before.py"
@@ -217,6 +218,7 @@ def test_fix_leaves_a_line_only_when_its_comment_ignores_the_rule(tmp_path, comm
     assert [e.line for e in result.plan.edits] == ([14] if edited else [])
 
 
+@pytest.mark.slow     # three CLI runs: ~2 s
 def test_cli_diff_write_and_exit_codes(tmp_path):
     from typer.testing import CliRunner
 

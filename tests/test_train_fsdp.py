@@ -148,6 +148,7 @@ def test_sigkill_then_resume_is_bit_identical_and_loads_on_one_rank(blocks, tmp_
         assert result.steps == steps + 2 and result.loss is not None
 
 
+@pytest.mark.slow     # two sharded runs and a checkpoint
 def test_a_checkpoint_of_another_global_batch_is_refused(blocks, tmp_path):
     ckpt = tmp_path / "ckpt"
     with _fsdp_trainer(blocks, accum=2, checkpoint_dir=ckpt) as first:
@@ -159,6 +160,7 @@ def test_a_checkpoint_of_another_global_batch_is_refused(blocks, tmp_path):
             other.fit(steps=4, resume=True)
 
 
+@pytest.mark.slow     # two sharded runs and a checkpoint
 def test_a_killed_save_leaves_the_last_good_checkpoint(blocks, tmp_path, monkeypatch):
     from ampaudit.train import sharded_checkpoint
 

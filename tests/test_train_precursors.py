@@ -71,6 +71,7 @@ def test_growing_attention_logits_are_warned_before_the_loss_breaks(tmp_path):
     assert first["crossed_step"] == rec["step"] and first["value"] >= 100 and first["threshold"] == 100
 
 
+@pytest.mark.slow     # a 60-step training run: ~2 s
 def test_same_model_at_a_low_learning_rate_stays_quiet(tmp_path):
     events, summary = _train_and_report(tmp_path, PLANTED, "--steps", "34", "--lr", "0.02")
     assert _loss_breaks(events, summary) is None
@@ -79,6 +80,7 @@ def test_same_model_at_a_low_learning_rate_stays_quiet(tmp_path):
     assert logits and max(logits) < 10          # the margin the threshold's comment in precursors.toml states
 
 
+@pytest.mark.slow     # a 60-step training run
 def test_qk_layernorm_keeps_the_logits_bounded_at_the_same_learning_rate(tmp_path):
     events, summary = _train_and_report(tmp_path, PLANTED, "--steps", "20", "--entry", "build_qknorm_model")
     logits = [e["value"] for e in events if e["event"] == "precursor" and e["signal"] == "attn_logit"]

@@ -101,6 +101,7 @@ def _fsdp_run(blocks, plan: bool = False, **kwargs) -> tuple[list[str], list[flo
         return trainer.transforms, result.losses, trainer.full_state_dict()
 
 
+@pytest.mark.slow     # four sharded runs
 @pytest.mark.parametrize("plan", [False, True], ids=["bf16", "plan"])
 def test_checkpointing_blocks_under_fsdp_ends_with_the_weights_of_no_checkpointing(blocks, plan):
     # By class name: checkpointed after the shard, "Block" was no longer a class of the model (FSDP renames it).
