@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from ampaudit.planning.choose import BACKWARD, Budget, LayerPlan, _bf16_fails, _sqnr
-from ampaudit.precision.recipes import Recipe, budget as recipe_budget, recipe
+from ampaudit.precision.recipes import Recipe, format_budget, recipe
 from ampaudit.policy import settings
 
 __all__ = ["Verdict", "judge", "pick_layer", "recipe_budget_of", "HP_GRAD_WEIGHT"]
@@ -51,8 +51,7 @@ class Verdict:
 
 def recipe_budget_of(name: str, default: Budget) -> Budget:
     """The recipe's budget from rules/policy/recipes.toml [budget.<name>], else ``default`` (settings [plan])."""
-    own = recipe_budget(name)
-    return default if own is None else Budget(*own)
+    return Budget(*format_budget(name, (default.forward_db, default.backward_db)))
 
 
 def _misaligned(measure, r: Recipe) -> dict[str, int]:

@@ -145,15 +145,17 @@ def budget(name: str) -> tuple[float, float] | None:
                         hint="fix the file") from exc
 
 
-def format_budget(name: str) -> tuple[float, float]:
+def format_budget(name: str, default: tuple[float, float] | None = None) -> tuple[float, float]:
     """``(forward_db, backward_db)`` a layer in recipe ``name`` must keep: its [budget.<name>] table, else
-    settings.toml [plan]'s float8 budget. The one budget of a recipe: plan judges by it, the fallback's shadow
-    check by its forward_db."""
-    from ampaudit.policy import settings
-
+    ``default`` (plan's ``--budget``), else settings.toml [plan]'s float8 budget. The one budget of a recipe: plan
+    judges by it, the fallback's shadow check by its forward_db."""
     own = budget(name)
     if own is not None:
         return own
+    if default is not None:
+        return default
+    from ampaudit.policy import settings
+
     cfg = settings()["plan"]
     return float(cfg["budget_forward_db"]), float(cfg["budget_backward_db"])
 
