@@ -147,6 +147,7 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
     device_type = device_type or model_device(model)
     buf = io.StringIO()
     twin, rng = copy.deepcopy(model), capture_rng()
+    twin.train()            # a check may be given a model in eval mode; training runs in training mode
     try:
         with warnings.catch_warnings(), target_autocast(policy, device_type, enter_autocast=False):
             warnings.simplefilter("ignore")     # the trainer's start warnings are the trace's preflight event
