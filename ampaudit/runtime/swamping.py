@@ -247,8 +247,8 @@ class SwampMeter:
             if cand is None:
                 return None
             # The user's line is looked up once per tensor and measured step (a walk up the Python stack).
-            m = self._measures[(t.data_ptr(), t.numel())] = _Measure(cand, cand.tensor.detach().clone(),
-                                                                       cand.tensor.detach().float(), writer_source(__file__))
+            m = _Measure(cand, cand.tensor.detach().clone(), cand.tensor.detach().float(), writer_source(__file__))
+            self._measures[(t.data_ptr(), t.numel())] = m
         return m
 
     def _lift(self, x: Any) -> Any:

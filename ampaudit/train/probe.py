@@ -56,9 +56,11 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
     writes in place, the swamping meter's row of the batch where it lost the most (``flagged``: over the
     ``[swamping]`` lines; ``moved`` False: FP32 would not have moved it either). ``note`` says why a forward
     could not be measured."""
-    if policy.low not in LOW_PRECISION:
-        return [], None
-    from ampaudit.runtime.swamping import SwampMeter
+    from ampaudit.runtime.swamping import SwampMeter, low_precision
+
+    stored_low = any(low_precision(t) for t in (*model.parameters(), *model.buffers()))
+    if policy.low not in LOW_PRECISION or (check_opt_level(opt_level) == "O1" and not stored_low):
+        return [], None     # O1 keeps an fp32 model fp32: nothing it updates can round away (no copy is made)
 
     device_type = device_type or model_device(model)
     twin, mastered = stored_copy(model, policy.low, opt_level)

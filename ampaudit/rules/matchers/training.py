@@ -104,6 +104,7 @@ def trained_precursor(ctx: MatchContext, rule) -> Iterator[Hit]:
         seen.add(row["module"])
         yield Hit(None, {"signal": row["signal"], "value": row.get("crossed_value"), "threshold": row["threshold"],
                          "step": row["crossed_step"],
-                         "peak": row["max"] if row.get("max") is not None else row["crossed_value"], "peak_step": row.get("max_step"),
+                         "peak": row["max"] if row.get("max") is not None else row["crossed_value"],
+                         "peak_step": row.get("max_step"),
                          "steps": cal.trained["steps"], "broke": _broke(row, diverged), "fixes": row["fixes"]},
                   module=row["module"])
