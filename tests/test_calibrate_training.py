@@ -147,3 +147,45 @@ def test_cli_bad_training_values_exit_2_with_one_line(args, says):
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr
+
+
+def _findings_of(events):
+    """The AMP80x hits the matchers make of a trace's verdicts (what --train-steps hands them)."""
+    from types import SimpleNamespace
+
+    from ampaudit.report.trace_verdicts import training_verdicts
+    from ampaudit.rules.loader import load_rules
+    from ampaudit.rules.registry import MATCHERS
+
+    v = training_verdicts(events)
+    cal = SimpleNamespace(trained={"steps": v["steps"], "diverged_step": v["diverged_step"]},
+                          precursors=v["precursors"], opt_level="O1",
+                          swamping=[{**r, "origin": "training"} for r in v["swamping"]])
+    out = {}
+    for rule in (r for r in load_rules() if r.id.startswith("AMP8")):
+        hits = list(MATCHERS.load()[rule.matcher].fn(SimpleNamespace(calibration=cal), rule))
+        out[rule.id] = [(h.module, h.details) for h in hits]
+    return out
+
+
+def test_the_report_verdicts_become_one_rule_each():
+    from trace_events import ev, steps
+
+    events = [ev("meta", version=3, dtype="bfloat16", source="train"), *steps([2.0] * 30),
+              ev("precursor", 9, signal="attn_logit", module="blocks.0.attn", value=150.0, max_step=9, crossed_step=7),
+              ev("precursor", 9, signal="attn_logit", module="blocks.1.attn", value=40.0, max_step=9),
+              ev("precursor", 9, signal="output_logit", module="", value=100.0, max_step=9, crossed_step=9),
+              ev("precursor", 9, signal="massive_activation", module="blocks.3", value=2500.0, absmax=800.0,
+                 median=0.32, max_step=9),
+              ev("swamping", 9, tensor="ema.weight", module="ema", kind="param", dtype="bfloat16", share_rounded=0.9,
+                 realized_ratio=0.1, update_rel=1e-4, half_ulp_rel=0.0039, why="no FP32 master", fix="keep ema fp32")]
+    found = _findings_of(events)
+    assert [m for m, _ in found["AMP802"]] == ["blocks.0.attn"] and found["AMP802"][0][1]["step"] == 7
+    assert "qk-layernorm" in found["AMP802"][0][1]["fixes"]
+    assert [m for m, _ in found["AMP803"]] == [""] and "z-loss" in found["AMP803"][0][1]["fixes"]
+    assert [m for m, _ in found["AMP804"]] == ["blocks.3"] and found["AMP804"][0][1]["step"] == 9
+    assert [m for m, _ in found["AMP801"]] == ["ema"] and found["AMP801"][0][1]["share"] == 0.9
+    # a run whose signals stay under their lines gives none
+    quiet = [ev("meta", version=3, dtype="bfloat16", source="train"), *steps([2.0] * 30),
+             ev("precursor", 9, signal="attn_logit", module="blocks.0.attn", value=30.0, max_step=9)]
+    assert all(v == [] for v in _findings_of(quiet).values())
