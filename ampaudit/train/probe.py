@@ -121,17 +121,20 @@ def mean_of_outputs(output: Any, target: Any) -> torch.Tensor:
 
 
 def _data(hooks: TrainHooks, example: tuple[tuple, dict]) -> tuple[Callable, Callable, str]:
-    """``(train_data factory, loss_fn, words)``: the model file's, else its example inputs with the mean loss."""
-    if hooks.train_data is not None and hooks.loss_fn is not None:
-        return hooks.train_data, hooks.loss_fn, "train_data() and loss_fn"
+    """``(train_data factory, loss_fn, words)``: the model file's ``train_data`` (with its ``loss_fn``, else the
+    mean of the outputs), else its example inputs repeated with the mean of the outputs (no target to give a
+    ``loss_fn``), as bench/both_paths.py trains a file without them."""
+    if hooks.train_data is not None:
+        if hooks.loss_fn is not None:
+            return hooks.train_data, hooks.loss_fn, "train_data() and loss_fn"
+        return hooks.train_data, mean_of_outputs, "train_data() with the mean of the outputs as the loss (no loss_fn)"
     args, kwargs = example
     if args and kwargs:
         raise UsageError("--train-steps without train_data() needs inputs that are all positional or all keyword",
                          hint="give the model file train_data() yielding (inputs, target)")
     inputs = kwargs if kwargs else tuple(args)
-    missing = "train_data()" if hooks.train_data is None else "loss_fn"
     return (lambda: itertools.repeat((inputs, None)), mean_of_outputs,
-            f"the example inputs, repeated, with the mean of the outputs as the loss (no {missing})")
+            "the example inputs, repeated, with the mean of the outputs as the loss (no train_data())")
 
 
 def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: int, opt_level: str = "O1",
