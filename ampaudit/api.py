@@ -26,6 +26,7 @@ from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
 from ampaudit.notes import collect
 from ampaudit.quiet import quiet
+from ampaudit.registry import Registry
 from ampaudit.runtime.replay_state import buffer_snapshot
 
 
@@ -46,7 +47,8 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, batch: int | None = None, data=None, **kwargs) -> Report:
+          loss_fn=None, batch: int | None = None, data=None, opt_level: str = "O1", train_steps: int = 0,
+          train_data=None, optimizer=None, scheduler=None, lr: float | None = None, **kwargs) -> Report:
     """Audit ``model`` called as ``model(*args, **kwargs)`` for the ``device``/``dtype`` autocast target.
 
     ``calibrate=True`` also runs the model (on ``batches`` of ``(args, kwargs)`` or ``(args, kwargs, target)``,
@@ -56,14 +58,30 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     ran. ``data``: a :class:`~ampaudit.analysis.calibrate.CalibrationData` (``calibration_data(loaded)``, what
     the CLI passes) instead of ``batches`` and ``loss_fn``. ``batch``: the per-rank micro-batch the model will
     be trained with, which the BatchNorm rule (AMP304) judges.
+
+    ``opt_level`` ("O1" or "O2", as ``ampaudit train --opt-level``): how the run stores the model. With
+    ``calibrate=True``, the parameters and buffers a training-mode forward updates in place are measured in that
+    storage (O2: cast to the target dtype, BatchNorm fp32, trainable parameters mastered; O1: as the model holds
+    them), and updates that round away are findings (AMP801). ``train_steps=N`` also trains a copy N steps with
+    the built-in Trainer (``train_data`` factory, ``loss_fn``, ``optimizer`` / ``scheduler`` factories and
+    ``lr`` as ``ampaudit train`` takes them; without ``train_data``, the example inputs repeated and the mean of
+    the outputs as the loss), in memory, and reports what its trace's report would warn about (AMP801-AMP804).
     """
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
                  target=target, base_dir=base_dir, capture_mode=capture_mode, calibrate=calibrate,
-                 batches=batches, loss_fn=loss_fn, batch=batch, data=data, **kwargs).report
+                 batches=batches, loss_fn=loss_fn, batch=batch, data=data, opt_level=opt_level,
+                 train_steps=train_steps, train_data=train_data, optimizer=optimizer, scheduler=scheduler, lr=lr,
+                 **kwargs).report
 
+
+# What calibration learns by running the model as training will (--opt-level, --train-steps: the trainer's O2
+# storage, the built-in Trainer, the report's verdicts), from ampaudit.train.probe, registered by decorator and
+# loaded on first use: the trainer is a layer above this entry point's imports (it builds on planning, whose padding
+# reuses rewrite, which audits through this module), so it plugs in as the rules' matchers do.
+TRAINING: Registry = Registry("training measure", providers=("ampaudit.train.probe",))
 
 # The families calibration measures (rules/calibration.toml); a calibrated report without one says so.
-MEASURED_FAMILIES = frozenset({"nonfinite", "range", "divergence"})
+MEASURED_FAMILIES = frozenset({"nonfinite", "range", "divergence", "swamping", "precursor"})
 _CAPTURE_NAMES = {"fx": "torch.fx", "export": "torch.export", "dispatch": "dispatch-level recording"}
 
 
@@ -80,7 +98,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
           select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
           rules_dirs: Sequence[str | Path] = (), target: str | None = None, base_dir: str | Path | None = None,
           capture_mode: str = "auto", calibrate: bool = False, batches: list | None = None,
-          loss_fn=None, batch: int | None = None, specialize: bool = True, data=None,
+          loss_fn=None, batch: int | None = None, specialize: bool = True, data=None, opt_level: str = "O1",
+          train_steps: int = 0, train_data=None, optimizer=None, scheduler=None, lr: float | None = None,
           **kwargs) -> Audit:
     """Like :func:`check`, but also returns the captured, propagated graph and the policy.
 
@@ -90,6 +109,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     if not isinstance(model, nn.Module):
         raise UsageError(f"check() needs an nn.Module, got {type(model).__name__}", hint="pass the model first")
     policy = Policy.load(device, dtype)
+    opt_level = _training_options(opt_level, train_steps, calibrate)
     rules = load_rules(list(rules_dirs))
     validate_selectors(rules, list(select or []), "--select")
     validate_selectors(rules, list(ignore or []), "--ignore")
@@ -112,8 +132,10 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     if calibrate:
         # What a statistic or the simulation had to skip is said in the report, not raised.
         with collect() as skipped, quiet():
-            data = data or _data(args, kwargs, batches, loss_fn)
+            data = data or _data(args, kwargs, batches, loss_fn, train_data, optimizer, scheduler)
             ctx.calibration = _calibrate(model, data, policy)
+            skipped.extend(TRAINING.load()["calibrate"](ctx.calibration, model, data, policy, opt_level=opt_level,
+                                                        steps=train_steps, lr=lr, example=(args, kwargs)))
     findings, suppressed = run_rules(ctx, active)
     if cap.mode != "fx":
         route_untraceable(findings)
@@ -125,7 +147,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     if ctx.calibration is not None:
         sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
         measured = [f for f in findings if f.family in MEASURED_FAMILIES]
-        clean = "" if measured else ": no measured faults (no inf/NaN, range, divergence or flipped decision)"
+        clean = "" if measured else (": no measured faults (no inf/NaN, range, divergence, flipped decision or "
+                                     "update that rounds away)")
         report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}{clean}")
         report.notes.append(f"backward: {ctx.calibration.backward}")
         if data.note:
@@ -142,12 +165,27 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes))
 
 
-def _data(args: tuple, kwargs: dict, batches: list | None, loss_fn):
+def _data(args: tuple, kwargs: dict, batches: list | None, loss_fn, train_data=None, optimizer=None,
+          scheduler=None):
     from ampaudit.analysis.calibrate import CalibrationData
 
+    train = {"train_data": train_data, "optimizer": optimizer, "scheduler": scheduler}
     if batches:
-        return CalibrationData(list(batches), loss_fn, "the given batches")
-    return CalibrationData([(args, kwargs)], loss_fn, "the example inputs")
+        return CalibrationData(list(batches), loss_fn, "the given batches", **train)
+    return CalibrationData([(args, kwargs)], loss_fn, "the example inputs", **train)
+
+
+def _training_options(opt_level: str, train_steps: int, calibrate: bool) -> str:
+    """The normalised opt level; a UsageError for a bad one, a negative ``train_steps``, or either without
+    calibration."""
+    level = "O1" if opt_level == "O1" else TRAINING.load()["opt_level"](opt_level)
+    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 0:
+        raise UsageError(f"train_steps must be a whole number >= 0, got {train_steps!r}",
+                         hint="e.g. --train-steps 34 (0: no training steps)")
+    if (train_steps or level != "O1") and not calibrate:
+        what = "--train-steps" if train_steps else "--opt-level O2"
+        raise UsageError(f"{what} needs --calibrate (calibrate=True)", hint="add --calibrate")
+    return level
 
 
 def _calibrate(model: nn.Module, data, policy: Policy):

@@ -17,7 +17,8 @@ from typing import NamedTuple
 from ampaudit.datafiles import read_toml, rules_dir
 from ampaudit.errors import RuleError
 
-FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "nonfinite", "divergence")
+FAMILIES = ("alignment", "sensitive-op", "normalization", "constant", "range", "nonfinite", "divergence", "swamping",
+            "precursor")
 
 
 class RuleKey(NamedTuple):

@@ -2,14 +2,20 @@
 
     python bench/both_paths.py                      # every planted model with a culprit, both paths
     python bench/both_paths.py --only moe_router_bf16,gelu_cube --json both.json
+    python bench/both_paths.py --only ema_teacher_bf16,running_mean_buffer,attn_logit_growth,ema_teacher_fp32
 
 For each planted model (../shared/planted and tests/planted, the module named in its ``EXPECT``):
-- ``check --calibrate`` on its own target (``ampaudit.check(..., calibrate=True)``): named when a finding at
-  warning or above is on the culprit (or a module inside it), as bench/accuracy.py counts;
+- ``check --calibrate`` on its own target (``ampaudit.check(..., calibrate=True)``; a training fault with its
+  ``EXPECT`` ``opt_level`` and ``train_steps=34``, like ``check --calibrate --opt-level O2 --train-steps 34``):
+  named when a finding at warning or above is on the culprit (or a module inside it), as bench/accuracy.py
+  counts;
 - ``ampaudit train FILE --trace T --divergence-every 1`` then ``ampaudit report T --json``: named when the report
   points at the culprit: the first non-finite value's module, the top own-error culprit, or a recommendation
   (decisions, swamping, precursors, keep_fp32) listing it. Training faults (``"phase": "training"``: state that
   loses its updates, logits that grow) run their ``EXPECT`` options (``opt_level``) for 34 steps; the others 2.
+
+The healthy twins of the training faults (``ema_teacher_fp32``, ``attn_logit_growth`` with ``--entry
+build_qknorm_model`` and with ``--lr 0.02``) run both paths too, and must raise no swamping or precursor warning.
 
 A model without ``train_data``/``loss_fn`` trains on its example inputs with the mean of its outputs as the loss
 (a wrapper file written next to the trace). Prints one row per model and the share each path names; ``--json``
@@ -30,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy import _load, located, planted_files  # noqa: E402
+
+TRAINING_STEPS = 34     # training faults, both paths: attn_logit_growth crosses at 17 and breaks from ~29
+# The healthy twins of the training faults (model, what differs) and the report's warnings a twin must not raise.
+TWINS = (("ema_teacher_fp32", {}), ("attn_logit_growth", {"entry": "build_qknorm_model"}),
+         ("attn_logit_growth", {"lr": 0.02}))
+TRAINING_ALARMS = ("swamping", "preflight", "precursor")
 
 _WRAPPER = '''import itertools, runpy, torch
 _m = runpy.run_path({path!r})
@@ -69,7 +81,9 @@ def report_names(summary: dict, culprits: list[str]) -> str | None:
     return None
 
 
-def run_trace(path: Path, expect: dict, work: Path) -> dict:
+def run_trace(path: Path, expect: dict, work: Path, twin: dict | None = None) -> dict:
+    """Train and report one model: ``runtime_by`` (where the report names the culprit), or for a ``twin``
+    (``{"entry": ..., "lr": ...}``, a healthy variant) ``runtime_alarms``, the training warnings it raised."""
     mod = _load(path)
     target = expect.get("target", {"device": "cpu", "dtype": "float16"})
     model_file = path
@@ -77,12 +91,16 @@ def run_trace(path: Path, expect: dict, work: Path) -> dict:
         model_file = work / f"{path.stem}_train.py"
         model_file.write_text(_WRAPPER.format(path=str(path)))
     training = expect.get("phase") == "training"
-    trace = work / f"{path.stem}.jsonl"
-    cmd = [sys.executable, "-m", "ampaudit", "train", str(model_file), "--steps", "34" if training else "2",
+    trace = work / f"{path.stem}{'_twin' + str(abs(hash(str(twin)))) if twin else ''}.jsonl"
+    cmd = [sys.executable, "-m", "ampaudit", "train", str(model_file),
+           "--steps", str(TRAINING_STEPS) if training else "2",
            "--device", "cpu", "--dtype", target["dtype"], "--trace", str(trace), "--divergence-every", "1"]
     if expect.get("opt_level"):
         cmd[cmd.index("--divergence-every"):cmd.index("--divergence-every") + 2] = ["--opt-level", expect["opt_level"],
                                                                                    "--trace-every", "10"]
+    for key in ("entry", "lr"):
+        if (twin or {}).get(key) is not None:
+            cmd += [f"--{key}", str(twin[key])]
     env = {**os.environ, "COLUMNS": "200"}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     row = {"train_rc": run.returncode}
@@ -92,31 +110,75 @@ def run_trace(path: Path, expect: dict, work: Path) -> dict:
     rep = subprocess.run([sys.executable, "-m", "ampaudit", "report", str(trace), "--json"], capture_output=True,
                          text=True, env=env, timeout=300)
     try:
-        row["runtime_by"] = report_names(json.loads(rep.stdout), _culprits(expect))
+        summary = json.loads(rep.stdout)
     except json.JSONDecodeError:
         row["runtime_error"] = (rep.stderr.strip().splitlines() or ["report failed"])[-1][:200]
+        return row
+    if twin is not None:
+        row["runtime_alarms"] = sorted({r["kind"] for r in summary.get("recommendations", [])
+                                        if r.get("kind") in TRAINING_ALARMS})
+    else:
+        row["runtime_by"] = report_names(summary, _culprits(expect))
     return row
 
 
-def run_calibrate(path: Path, expect: dict) -> bool | str:
+def training_options(mod, expect: dict, twin: dict | None = None) -> dict:
+    """What ``check --calibrate`` is given for a training fault, the way ``run_trace`` trains it: the ``EXPECT``
+    opt level and the same 34 steps, on the model file's train_data/loss_fn/make_optimizer/make_scheduler (and a
+    twin's ``lr``)."""
+    if expect.get("phase") != "training":
+        return {}
+    hooks = {"train_data": "train_data", "loss_fn": "loss_fn", "optimizer": "make_optimizer",
+             "scheduler": "make_scheduler"}
+    return {"opt_level": expect.get("opt_level", "O1"), "train_steps": TRAINING_STEPS,
+            **{k: getattr(mod, name) for k, name in hooks.items() if callable(getattr(mod, name, None))},
+            **({"lr": twin["lr"]} if (twin or {}).get("lr") is not None else {})}
+
+
+def run_calibrate(path: Path, expect: dict, twin: dict | None = None) -> bool | str | list:
+    """Whether ``check --calibrate`` names the culprit (a string: why it crashed); for a ``twin``, the families
+    of the training warnings it gave (a list, empty when quiet)."""
     import ampaudit
 
     mod = _load(path)
     target = expect.get("target", {"device": "cpu", "dtype": "float16"})
     inputs = mod.example_inputs()
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+    build = getattr(mod, (twin or {}).get("entry") or "build_model")
     try:
-        rep = ampaudit.check(mod.build_model(), *args, **target, calibrate=True, **kwargs)
+        rep = ampaudit.check(build(), *args, **target, calibrate=True, **training_options(mod, expect, twin),
+                             **kwargs)
     except Exception as exc:  # noqa: BLE001 - a crash is a miss, reported with its reason
         return f"{type(exc).__name__}: {exc}"[:200]
+    if twin is not None:
+        return sorted({f.family for f in rep.findings if f.family in ("swamping", "precursor")
+                       and f.severity in ("warning", "error")})
     return any(located(rep, c, None) for c in _culprits(expect)) or any(
         _names(f.module, _culprits(expect)) for f in rep.findings if f.severity in ("warning", "error"))
+
+
+def run_twins(work: Path, only: set | None) -> list[dict]:
+    """The healthy twins of the training faults through both paths: each must stay quiet."""
+    by_stem = {p.stem: p for p in planted_files()}
+    rows = []
+    for stem, twin in TWINS:
+        if stem not in by_stem or (only and stem not in only):
+            continue
+        expect = getattr(_load(by_stem[stem]), "EXPECT", {})
+        row = {"model": stem, "twin": twin, "calibrate_alarms": run_calibrate(by_stem[stem], expect, twin)}
+        row.update(run_trace(by_stem[stem], expect, work, twin))
+        rows.append(row)
+        words = ", ".join(f"{k} {v}" for k, v in twin.items()) or "as it is"
+        print(f"twin {stem} ({words}): calibrate {row['calibrate_alarms'] or 'quiet'}, train+report "
+              f"{row.get('runtime_alarms') or row.get('runtime_error') or 'quiet'}", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated model names (file stems)")
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--no-twins", action="store_true", help="skip the healthy twins of the training faults")
     args = p.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     rows = []
@@ -136,12 +198,17 @@ def main(argv=None) -> int:
             print(f"{row['model']:28} {row['phase']:9} calibrate {'yes' if row['calibrate'] else 'NO ':3}  "
                   f"train+report {'yes' if row['runtime'] else 'NO '} ({row.get('runtime_by') or row.get('runtime_error') or '-'})",
                   flush=True)
+        twins = [] if args.no_twins else run_twins(Path(tmp), only)
     n = len(rows)
     both = sum(r["calibrate"] and r["runtime"] for r in rows)
     print(f"\n{n} planted models: check --calibrate names {sum(r['calibrate'] for r in rows)}, "
           f"train --trace + report names {sum(r['runtime'] for r in rows)}, both {both}")
+    if twins:
+        print(f"{len(twins)} healthy twins: check --calibrate quiet on "
+              f"{sum(r['calibrate_alarms'] == [] for r in twins)}, train --trace + report quiet on "
+              f"{sum(r.get('runtime_alarms') == [] for r in twins)}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"models": rows, "twins": twins}, indent=2))
     return 0
 
 

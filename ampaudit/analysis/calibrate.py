@@ -53,6 +53,12 @@ class Calibration:
     out_dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # narrowest floating output, under autocast
     decisions: list[dict] = field(default_factory=list)   # ampaudit.runtime.decision_record rows, summed over batches
     backward: str = ""     # what the backward differentiated, for the report (backward_label)
+    # The run's storage (check --opt-level) and what training showed (check --train-steps): rows of
+    # ampaudit.runtime.swamping (``origin`` "forward" or "training") and of ampaudit.report.trace_verdicts.
+    opt_level: str = "O1"
+    swamping: list[dict] = field(default_factory=list)
+    precursors: list[dict] = field(default_factory=list)
+    trained: dict | None = None      # {"steps", "diverged_step"} of the training steps, when they ran
 
 
 def _merge(into: dict, row: dict) -> None:
@@ -275,6 +281,10 @@ class CalibrationData:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     origin: str
     note: str | None = None
+    # What --train-steps trains with, from the model file as ``ampaudit train`` reads it (None: not there).
+    train_data: Callable | None = None
+    optimizer: Callable | None = None
+    scheduler: Callable | None = None
 
 
 def calibration_data(loaded: Any, count: int = 0, *, explicit_inputs: bool = False) -> CalibrationData:
@@ -283,9 +293,11 @@ def calibration_data(loaded: Any, count: int = 0, *, explicit_inputs: bool = Fal
     batch, differentiated through ``loss_fn``, when the file has both (and no ``--input``: ``explicit_inputs``);
     else the example inputs, with the mean of the outputs as the loss."""
     loss_fn = loaded.hook("loss_fn")
+    train = {"train_data": loaded.hook("train_data"), "optimizer": loaded.hook("make_optimizer"),
+             "scheduler": loaded.hook("make_scheduler")}
     if count > 0:
-        return CalibrationData(batches_from(loaded, count), loss_fn, "train_data()")
-    example = CalibrationData([(loaded.args, loaded.kwargs)], loss_fn, "the example inputs")
+        return CalibrationData(batches_from(loaded, count), loss_fn, "train_data()", **train)
+    example = CalibrationData([(loaded.args, loaded.kwargs)], loss_fn, "the example inputs", **train)
     if explicit_inputs or loss_fn is None or loaded.hook("train_data") is None:
         return example
     try:
@@ -297,7 +309,7 @@ def calibration_data(loaded: Any, count: int = 0, *, explicit_inputs: bool = Fal
     if not first or len(first[0]) < 3 or first[0][2] is None:
         example.note = "train_data() gave no (inputs, target) batch; calibrated on the example inputs"
         return example
-    return CalibrationData(first, loss_fn, "train_data()")
+    return CalibrationData(first, loss_fn, "train_data()", **train)
 
 
 def batches_from(loaded: Any, count: int) -> list[tuple]:

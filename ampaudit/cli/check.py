@@ -14,6 +14,7 @@ from ampaudit.findings import SEVERITY_RANK
 
 FORMATS = ("table", "json", "sarif", "github")
 FAIL_ON = ("error", "warning", "info", "never")
+OPT_LEVELS = ("O1", "O2")      # ampaudit.train.masters.OPT_LEVELS, named here so a bad one answers before torch loads
 
 
 @app.command()
@@ -34,6 +35,9 @@ def check(
     capture: Annotated[str, typer.Option(help="How to capture the graph: auto (fx, then torch.export, then dispatch-level recording), fx, export or dispatch.")] = "auto",
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model in FP32 and under the target's autocast and report measured range, non-finite and divergence findings.")] = False,
     calibrate_batches: Annotated[int, typer.Option(help="With --calibrate: use this many batches of train_data() [default: its first batch when the file has train_data() and loss_fn, else example_inputs()].")] = 0,
+    opt_level: Annotated[str, typer.Option(help="With --calibrate: how the run stores the model, as ampaudit train --opt-level: O1 (fp32 weights + autocast) or O2 (fp16/bf16 weights, FP32 masters of the trainable ones; state it updates in place is measured in that storage).")] = "O1",
+    train_steps: Annotated[int, typer.Option(help="With --calibrate: also train a copy N steps in memory with the built-in Trainer (train_data/loss_fn/make_optimizer of the model file) and report swamping and precursor warnings [0: none].")] = 0,
+    lr: Annotated[Optional[float], typer.Option(help="With --train-steps: the learning rate (overrides make_optimizer's).")] = None,
     batch: Annotated[Optional[int], typer.Option(help="The per-rank micro-batch the model will be trained with: BatchNorm below rules/policy/settings.toml's min_micro_batch is a finding (AMP304).")] = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds (a forward that hangs) [0: no limit].")] = 600.0,
 ) -> None:
@@ -52,6 +56,7 @@ def check(
     ign = split_list(ignore) or cfg.get("ignore")
     rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
     _refuse_bad_arguments(fmt, fail, batch, calibrate, calibrate_batches, rule_dirs, sel, ign)
+    opt_level = _refuse_bad_training(opt_level, train_steps, lr, calibrate)
     from ampaudit.api import check as run_check
     from ampaudit.loading import load_target
     from ampaudit.policy import Policy
@@ -66,7 +71,8 @@ def check(
         data = calibration_data(loaded, calibrate_batches, explicit_inputs=bool(input)) if calibrate else None
         report = run_check(loaded.model, *loaded.args, device=device, dtype=dtype, select=sel, ignore=ign,
                            rules_dirs=rule_dirs, target=target, base_dir=Path.cwd(), capture_mode=capture,
-                           calibrate=calibrate, data=data, batch=batch, **loaded.kwargs)
+                           calibrate=calibrate, data=data, batch=batch, opt_level=opt_level,
+                           train_steps=train_steps, lr=lr, **loaded.kwargs)
 
     _emit(report, fmt, output, why, rule_dirs)
     if fail != "never" and report.at_or_above(fail):
@@ -119,6 +125,24 @@ def _refuse_bad_arguments(fmt: str, fail: str, batch: int | None, calibrate: boo
     known = rule_keys(rule_dirs)        # the rule files' ids, names and families: no matcher, no torch
     validate_selectors(known, sel, "--select")
     validate_selectors(known, ign, "--ignore")
+
+
+def _refuse_bad_training(opt_level: str, train_steps: int, lr: float | None, calibrate: bool) -> str:
+    """The opt level, normalised; a UsageError for a bad --opt-level, --train-steps or --lr (before torch loads)."""
+    level = opt_level.upper()
+    if level not in OPT_LEVELS:
+        raise UsageError(f"unknown --opt-level {opt_level!r}", hint="use O1 (fp32 weights + autocast) or O2 "
+                         "(fp16/bf16 weights + FP32 master weights), as ampaudit train --opt-level")
+    if train_steps < 0:
+        raise UsageError(f"--train-steps must be >= 0, got {train_steps}", hint="e.g. --train-steps 34 (0: none)")
+    if lr is not None and not lr > 0:
+        raise UsageError(f"--lr must be > 0, got {lr}", hint="e.g. --lr 0.02")
+    if lr is not None and not train_steps:
+        raise UsageError("--lr needs --train-steps", hint="add --train-steps N")
+    for given, what in ((train_steps, "--train-steps"), (level != "O1", "--opt-level O2")):
+        if given and not calibrate:
+            raise UsageError(f"{what} needs --calibrate", hint="add --calibrate")
+    return level
 
 
 def _render(report, console, why: bool) -> None:

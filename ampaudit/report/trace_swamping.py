@@ -30,7 +30,8 @@ def swamping_row(ev: dict, step: int | None) -> dict | None:
     tensor = ev.get("tensor")
     if not isinstance(tensor, str):
         return None
-    text = {k: ev.get(k) if isinstance(ev.get(k), str) else None for k in ("module", "kind", "dtype", "why", "fix")}
+    text = {k: ev.get(k) if isinstance(ev.get(k), str) else None
+            for k in ("module", "kind", "dtype", "why", "fix", "source")}
     return {"step": step, "tensor": tensor, **text,
             **{k: finite(ev.get(k)) for k in ("share_rounded", "realized_ratio", "update_rel", "half_ulp_rel",
                                               "elements", "numel")}}

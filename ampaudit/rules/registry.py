@@ -100,7 +100,7 @@ class Matcher:
 
 MATCHERS: Registry = Registry("matcher", providers=tuple(
     f"ampaudit.rules.matchers.{m}" for m in ("alignment", "calibrated", "constants", "integers", "normalization",
-                                            "running_sums", "sensitive", "decisions")))
+                                            "running_sums", "sensitive", "decisions", "training")))
 
 
 def matcher(name: str, *, fields: set[str], params: dict | None = None, variants: set[str] = frozenset(),

@@ -43,6 +43,20 @@ def user_source(frame=None) -> str | None:
     return None
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def writer_source(own_file: str) -> str | None:
+    """``file:line`` of the code that called into torch: the innermost frame outside torch and ``own_file`` (the
+    caller's module), when it is the user's; None when it is not (an update the trainer's optimizer step made)."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename == own_file or f.f_code.co_filename.startswith(_TORCH_DIR)):
+        f = f.f_back
+    if f is None or not is_user_file(f.f_code.co_filename):
+        return None
+    return short_location(f.f_code.co_filename, f.f_lineno)
+
+
 def source_from_lines(lines: list[str]) -> str | None:
     # Formatted stack entries, outermost first (anomaly mode's "traceback_" metadata).
     for entry in reversed(lines):

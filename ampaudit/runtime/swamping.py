@@ -39,6 +39,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ampaudit import dtypes
 from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
+from ampaudit.runtime.module_stack import writer_source
 
 LOW_FLOATS = dtypes.LOW_FLOATS
 _aten = torch.ops.aten
@@ -72,6 +73,7 @@ class _Measure:
     cand: Candidate
     start: torch.Tensor          # the stored value at the first write of the step
     intended: torch.Tensor       # FP32: what FP32 storage would hold now
+    source: str | None = None    # file:line of the user's code that first wrote it this step
 
 
 def _module_of(name: str) -> str:
@@ -202,7 +204,6 @@ class SwampMeter:
     def has_known(self) -> bool:
         """Whether any value could have an FP32 twin (an eligible tensor, or a value already carried)."""
         return bool(self._eligible)
-
     def begin(self, step: int) -> bool:
         """Start measuring ``step``; False (and nothing entered) when the model holds no low-precision state."""
         if self._mode is not None:
@@ -245,8 +246,9 @@ class SwampMeter:
             cand = self._lookup(t, self._eligible)
             if cand is None:
                 return None
-            m = self._measures[(t.data_ptr(), t.numel())] = _Measure(cand, cand.tensor.detach().clone(),
-                                                                       cand.tensor.detach().float())
+            # The user's line is looked up once per tensor and measured step (a walk up the Python stack).
+            m = _Measure(cand, cand.tensor.detach().clone(), cand.tensor.detach().float(), writer_source(__file__))
+            self._measures[(t.data_ptr(), t.numel())] = m
         return m
 
     def _lift(self, x: Any) -> Any:
@@ -310,17 +312,25 @@ class SwampMeter:
             mode.__exit__(None, None, None)
         self._measures, self._carried, self._carried_ids = {}, WeakTensorKeyDictionary(), set()
 
-    def finish(self) -> list[dict]:
-        """Leave the mode; one ``swamping`` event (fields, without ``event``) per tensor over a line."""
+    def finish(self, *, every: bool = False) -> list[dict]:
+        """Leave the mode; one ``swamping`` event (fields, without ``event``) per tensor over a line. ``every``:
+        one row per tensor written, with ``flagged`` (over a line) and ``moved`` (False: FP32 would not move it;
+        no numbers then), what ``check --calibrate`` reports of one forward."""
         measures, step = list(self._measures.values()), self.step
         self.abort()
         out = []
         for m in measures:
             row = measure_update(m.start, m.cand.tensor.detach(), m.intended)
+            where = {"source": m.source} if m.source else {}
             if row is None:
+                if every:
+                    out.append({"step": step, "tensor": m.cand.name, "module": m.cand.module, "kind": m.cand.kind,
+                                "dtype": name_of(m.start.dtype), "flagged": False, "moved": False, **where})
                 continue
-            if row["share_rounded"] >= self.share_line or row["realized_ratio"] <= self.ratio_line:
-                out.append({"step": step, **describe(m.cand, row)})
+            flagged = row["share_rounded"] >= self.share_line or row["realized_ratio"] <= self.ratio_line
+            if flagged or every:
+                out.append({"step": step, **describe(m.cand, row), **where,
+                            **({"flagged": flagged, "moved": True} if every else {})})
         return out
 
 

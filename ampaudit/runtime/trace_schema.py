@@ -83,7 +83,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("eval", 2, ("dtype", "batches", "samples", "loss", "metrics", "time")),
     EventKind("preflight", 2, ("checks",)),
     EventKind("swamping", 3, ("tensor", "module", "kind", "dtype", "share_rounded", "realized_ratio", "elements",
-                              "numel", "update_rel", "half_ulp_rel", "why", "fix")),
+                              "numel", "update_rel", "half_ulp_rel", "why", "fix"), ("source",)),
     EventKind("decision", 3, ("module", "op", "source", "kind", "decisions", "flipped", "share_flipped", "used",
                               "calls")),
     EventKind("precursor", 3, ("signal", "module", "value", "threshold", "max_step"),

@@ -53,6 +53,12 @@ def cast_model_o2(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def o2_mastered(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters :class:`MasterWeights` gives an FP32 master: the trainable ones stored in fp16/bf16 (its
+    ``mastered``), without making the copies."""
+    return [p for p in model.parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
+
+
 class MasterWeights:
     """FP32 copies of a model's trainable parameters, in ``model.parameters()`` order.
 

@@ -10,8 +10,11 @@ qk-layernorm: its logits stay bounded at the same learning rate.
     ampaudit report run.jsonl          # warns on blocks.*.attn before the loss breaks
     ampaudit train tests/planted/attn_logit_growth.py --entry build_qknorm_model ...   # stays quiet
 
-The fault is in training dynamics, not in one forward ("phase": "training"): check and calibrate see a healthy
-model at initialization; the trace of a run names it.
+The fault is in training dynamics, not in one forward ("phase": "training"): one calibrated pass sees a healthy
+model at initialization; the trace of a run names it, and so does check given training steps (a copy trained in
+memory with the same meters):
+
+    ampaudit check tests/planted/attn_logit_growth.py --calibrate --device cpu --dtype bfloat16 --train-steps 34
 """
 import torch, torch.nn as nn, torch.nn.functional as F
 
