@@ -59,3 +59,26 @@ def test_meta_export_puts_the_meta_weights_back():
     assert where.args[2] == torch.finfo(torch.float16).min
     assert not any(isinstance(v, torch.device) and v.type == "cpu"
                    for n in cap.gm.graph.nodes for v in (*n.args, *n.kwargs.values()))
+
+
+class Attention(nn.Module):
+    """Heads through scaled_dot_product_attention, whose CPU kernel lays its output out so that the
+    ``.contiguous()`` after the transpose is a no-op in the export, while its meta kernel's layout needs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).contiguous().view(b, n, 32))
+
+
+def test_a_meta_models_shapes_propagate_past_views_the_export_strides_allowed():
+    with torch.device("meta"):
+        model = Attention()
+    report = ampaudit.check(model, torch.randn(2, 12, 32, device="meta"), capture_mode="export")
+    assert report.capture == "export" and not any("shapes unknown" in n for n in report.notes), report.notes
+    assert any(f.rule == "AMP104" and "scaled_dot_product_attention" in f.message for f in report.findings)
