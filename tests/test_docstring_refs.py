@@ -39,11 +39,12 @@ def _defined(tree: ast.AST) -> set[str]:
 
 
 def _missing() -> list[str]:
-    trees = {p: ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
-    everywhere = set().union(*(_defined(t) for t in trees.values()))
+    texts = {p: p.read_text() for p in PACKAGE.rglob("*.py")}
+    defined = {p: _defined(ast.parse(text)) for p, text in texts.items()}
+    everywhere = set().union(*defined.values())
     missing = []
-    for path, tree in trees.items():
-        for role, target in ROLE.findall(path.read_text()):
+    for path, text in texts.items():
+        for role, target in ROLE.findall(text):
             parts = target.split(".")
             if parts[0] != "ampaudit":
                 ok = role == "mod" or parts[-1] in everywhere or parts[0] in ("torch", "typing")
@@ -52,7 +53,7 @@ def _missing() -> list[str]:
             else:
                 cut = next((i for i in range(len(parts), 0, -1) if _module_file(".".join(parts[:i]))), 0)
                 module = _module_file(".".join(parts[:cut])) if cut else None
-                ok = module is not None and (cut == len(parts) or parts[-1] in _defined(trees[module]))
+                ok = module is not None and (cut == len(parts) or parts[-1] in defined[module])
             if not ok:
                 missing.append(f"{path.relative_to(ROOT)}: :{role}:`{target}`")
     return missing
