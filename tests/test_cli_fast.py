@@ -24,6 +24,8 @@ CASES = {
     ("fix", "missing_model.py", "-o", "out"): (2, "model file not found"),
     ("fix", "missing_model.py", "--diff"): (2, "model file not found"),
     ("check", MLP, "--format", "xml"): (2, "unknown --format 'xml'"),
+    ("check", MLP, "-o", "."): (2, "--output . is a folder, not a file"),
+    ("plan", MLP, "-o", MLP + "/plan.json"): (2, "clean_mlp.py is a file, not a folder"),
     ("report", "missing.jsonl"): (2, "missing.jsonl"),
     ("doctor", "--format", "xml"): (2, "unknown --format 'xml'"),
     ("check", MLP, "--select", "AMP999"): (2, "--select 'AMP999' matches no rule"),
