@@ -82,3 +82,24 @@ def test_a_meta_models_shapes_propagate_past_views_the_export_strides_allowed():
     report = ampaudit.check(model, torch.randn(2, 12, 32, device="meta"), capture_mode="export")
     assert report.capture == "export" and not any("shapes unknown" in n for n in report.notes), report.notes
     assert any(f.rule == "AMP104" and "scaled_dot_product_attention" in f.message for f in report.findings)
+
+
+class Rotary(nn.Module):
+    """A non-persistent buffer (rotary frequencies): the exported program keeps it among its constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("inv_freq", torch.arange(16.0), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.inv_freq
+
+
+def test_meta_export_puts_non_persistent_buffers_back():
+    with torch.device("meta"):
+        model = Rotary()
+    cap = capture_export(model, (torch.randn(2, 16, device="meta"),), {}, policy=Policy.load("cuda", "float16"))
+    assert model.inv_freq.is_meta and all(t.is_meta for t in cap.gm.buffers())
+    report = ampaudit.check(model, torch.randn(2, 16, device="meta"), capture_mode="export")
+    assert not any("shapes unknown" in n for n in report.notes), report.notes

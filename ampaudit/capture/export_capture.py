@@ -122,8 +122,9 @@ def _export_meta(model: nn.Module, args: tuple, kwargs: dict, policy: Policy):
     finally:
         for table, name, t in swapped:
             table[name] = t
-    for name, t in list(ep.state_dict.items()):
-        ep.state_dict[name] = originals.get(id(t), t)
+    for table in (ep.state_dict, ep.constants):      # non-persistent buffers (rotary inv_freq) are constants
+        for name, t in list(table.items()):
+            table[name] = originals.get(id(t), t)
     # Tensors the forward makes (arange(device=key.device)) were baked on the stand-ins' CPU: back to meta, or
     # the propagation's meta run would mix devices.
     meta = torch.device("meta")
