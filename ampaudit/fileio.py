@@ -58,8 +58,12 @@ def _take_mode(tmp: str, before: os.stat_result | None) -> None:
 
 def writable_as(flag: str, path: str | os.PathLike, *, folder: bool) -> None:
     """A UsageError when output ``path`` (given as ``flag``) is the wrong kind of thing to write: a folder where a
-    file goes, or a file where a folder of logs goes. Called before the work, so that it is not lost at its end."""
+    file goes, a file where a folder of logs goes, or a path under a file. Called before the work, so that it is
+    not lost at its end. Missing folders above ``path`` are no error: every output of the CLI creates them."""
     p = Path(path)
+    above = next((a for a in p.parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UsageError(f"{flag} {p}: {above} is a file, not a folder", hint=f"name a path in a folder for {flag}")
     if folder and p.exists() and not p.is_dir():
         raise UsageError(f"{flag} {p} is a file, not a folder", hint=f"name a folder for {flag}, e.g. {flag} runs/amp")
     if not folder and p.is_dir():

@@ -15,28 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import site
-import sysconfig
 import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from ampaudit.user_code import is_user_file
+from ampaudit.user_code import is_user_file, library_dirs
 
 
 def debug() -> bool:
     """Whether ``AMPAUDIT_DEBUG`` asks for everything (tracebacks, torch's warnings)."""
     return os.environ.get("AMPAUDIT_DEBUG", "") not in ("", "0", "false")
-
-
-@lru_cache(maxsize=None)
-def _library_dirs() -> tuple[str, ...]:
-    """Folders of installed packages (site-packages), resolved, each ending in a separator."""
-    dirs = {sysconfig.get_paths().get(k) for k in ("purelib", "platlib")}
-    dirs.update(getattr(site, "getsitepackages", list)())
-    dirs.add(getattr(site, "getusersitepackages", lambda: None)())
-    return tuple(str(Path(d).resolve()) + os.sep for d in dirs if d)
 
 
 @lru_cache(maxsize=4096)
@@ -45,7 +34,7 @@ def concerns_user(filename: str) -> bool:
     if not is_user_file(filename):
         return False
     try:
-        return not str(Path(filename).resolve()).startswith(_library_dirs())
+        return not str(Path(filename).resolve()).startswith(library_dirs())
     except OSError:
         return False
 

@@ -120,6 +120,17 @@ def test_output_file_is_written(misaligned, tmp_path):
     assert "AMP101" in out.read_text()
 
 
+def test_output_makes_missing_folders_and_refuses_a_folder_or_a_path_under_a_file(clean, tmp_path):
+    # As report --html and plan -o: folders above the file are created; a folder, or a path under a file, is one
+    # error line before the audit runs.
+    out = tmp_path / "new" / "deeper" / "report.json"
+    r = run("check", str(clean), "-f", "json", "-o", str(out))
+    assert r.exit_code == 0 and json.loads(out.read_text())["findings"] == []
+    for bad, words in [(tmp_path, "is a folder, not a file"), (clean / "report.json", "is a file, not a folder")]:
+        r = run("check", str(clean), "-o", str(bad))
+        assert r.exit_code == 2 and words in r.output and r.output.count("\n") == 1, r.output
+
+
 def test_pyproject_config(tmp_path, misaligned):
     (tmp_path / "pyproject.toml").write_text('[tool.ampaudit]\ndevice = "cpu"\nignore = ["AMP101"]\nfail-on = "error"\n')
     r = run("check", str(misaligned), "-f", "json")

@@ -115,6 +115,21 @@ def test_html_is_written(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["run.html"]  # no temporary file left behind
 
 
+def test_html_under_a_file_is_one_line_before_the_work(tmp_path):
+    pytest.importorskip("plotly")
+    r = invoke(RUN, "--html", str(Path(RUN) / "run.html"))
+    assert r.exit_code == 2 and "report_run.jsonl is a file, not a folder" in r.stderr and r.stdout == ""
+    assert r.stderr.count("\n") == 1
+
+
+def test_empty_or_non_finding_check_files_are_one_line(tmp_path):
+    for text, words in [("[]", "is an empty list, not the output of ampaudit check"),
+                        ('[{"module": "a"}]', "entry 0 is not a finding")]:
+        (tmp_path / "f.json").write_text(text)
+        r = invoke(RUN, "--check", str(tmp_path / "f.json"))
+        assert r.exit_code == 2 and words in r.stderr and r.stdout == "" and r.stderr.count("\n") == 1
+
+
 def test_html_without_plotly_names_the_extra(monkeypatch, tmp_path):
     for name in [m for m in sys.modules if m == "plotly" or m.startswith("plotly.")
                  or m == "ampaudit.report.html_plots"]:

@@ -190,8 +190,16 @@ def test_load_findings_errors_are_one_line(tmp_path):
     (tmp_path / "nolist.json").write_text('{"findings": 3}')
     with pytest.raises(InputError, match="no \"findings\" list"):
         load_findings(tmp_path / "nolist.json")
-    (tmp_path / "list.json").write_text('[{"rule": "X", "module": "a"}, 7]')
+    (tmp_path / "list.json").write_text('[{"rule": "X", "module": "a"}]')
     assert load_findings(tmp_path / "list.json") == [{"rule": "X", "module": "a"}]
+    (tmp_path / "clean.json").write_text('{"version": 1, "findings": []}')      # check's output of a clean model
+    assert load_findings(tmp_path / "clean.json") == []
+    for name, text, match in [("empty", "[]", "is an empty list, not the output of ampaudit check"),
+                              ("number", '[{"rule": "X", "module": "a"}, 7]', "entry 1 is not a finding"),
+                              ("norule", '{"findings": [{"module": "a"}]}', "entry 0 is not a finding")]:
+        (tmp_path / f"{name}.json").write_text(text)
+        with pytest.raises(InputError, match=match):
+            load_findings(tmp_path / f"{name}.json")
 
 
 def test_missing_trace_raises_trace_error(tmp_path):

@@ -2,6 +2,8 @@
 (``ampaudit check --rules DIR`` exits 2 with it), before any model is captured."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -186,3 +188,30 @@ def test_a_message_names_the_rules_own_scalar_parameters(tmp_path):
     assert [f.message for f in report.findings] == ["exp past 7 terms"]
     with pytest.raises(RuleError, match=r"unknown field\(s\) \['min_depth'\]"):
         load_rules([_write(tmp_path, message='"{op} past {min_depth} terms"')])
+
+
+def _fix_commands(text: str) -> list[list[str]]:
+    """The options of each ``ampaudit fix`` command in ``text`` ("-o DIR" keeps DIR, a placeholder)."""
+    return [m.group(1).split() for m in re.finditer(r"ampaudit fix((?: +-[-\w]+(?: DIR)?)*)", text)]
+
+
+def test_every_fix_command_a_finding_prints_runs_as_printed():
+    """``ampaudit fix`` refuses to run without -o DIR (the graph rewrite) or --diff/--write (the source fix):
+    each command in a rule's fix text, and in what replaces it on a model fx cannot trace, names one."""
+    import typer.main
+
+    from ampaudit.policy import settings
+
+    options = {o for p in typer.main.get_command(app).commands["fix"].params for o in p.opts}
+    texts = [(r.id, t) for r in load_rules() for t in [r.fix or ""]
+             + [v.get("fix", "") for v in r.param("variants", {}).values()]]
+    texts += [(table, t) for table, phrases in settings()["recommend"].items() if table.startswith("untraceable")
+              for t in phrases.values()]
+    commands = [(where, c) for where, t in texts for c in _fix_commands(t)]
+    assert len(commands) > 10
+    for where, command in commands:
+        named = [t for t in command if t.startswith("-")]
+        assert set(named) <= options, (where, command)
+        assert {"-o", "--diff", "--write"} & set(named), (where, command)
+    result = CliRunner().invoke(app, ["fix", str(ROOT / "samples" / "clean_mlp.py")])
+    assert result.exit_code == 2 and "fix needs --output DIR" in result.output

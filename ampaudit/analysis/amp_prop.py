@@ -174,6 +174,8 @@ class AmpProp(fx.Interpreter):
             result = super().run_node(n)
         except Exception as exc:  # an op without a fake kernel: shapes downstream are unknown, dtypes still flow
             result = self._recorded(n)
+            if result is None:
+                result = self._reshaped(n, exc)
             if result is None and n.op != "placeholder" and not isinstance(exc, _NO_KERNEL):
                 # The model mixes dtypes itself (x.half() meets an fp32 weight), as only autocast lets it run:
                 # shapes go on from the promoted inputs; whether the target's autocast runs it is judged below.
@@ -196,6 +198,19 @@ class AmpProp(fx.Interpreter):
         if result is None and info.error:
             raise _Unknown(n)
         return result
+
+    def _reshaped(self, n: fx.Node, exc: Exception) -> Any:
+        """A ``view`` the strides of this run refuse, run as ``reshape`` (same shape). A meta-built model is
+        exported on CPU stand-ins (:func:`ampaudit.capture.export_capture._export_meta`) and propagated on meta,
+        whose kernels (attention) lay outputs out differently; the ``.contiguous()`` that was a no-op in the
+        export is not in the graph."""
+        if n.target is not torch.ops.aten.view.default or "view size is not compatible" not in str(exc):
+            return None
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        try:
+            return torch.ops.aten.reshape.default(*args, **kwargs)
+        except Exception:
+            return None
 
     def _raise_if_real_kernel_raises(self, n: fx.Node, op: str) -> None:
         """Rerun ``n`` for real on zeros of its inputs' shapes; if the real kernel raises too, the inputs do not fit.

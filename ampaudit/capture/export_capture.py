@@ -16,6 +16,7 @@ import re
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ampaudit.capture.fx_capture import Capture, is_user_file
 from ampaudit.graph_meta import SourceLoc, set_origin
@@ -75,11 +76,63 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None):
 
 
 def _export_loud(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None):
-    device_type = next((t.device.type for t in model.parameters()), "cpu")
+    tensors = [*model.parameters(), *model.buffers()]
+    if policy is not None and any(t.is_meta for t in tensors):    # meta wins, as in AmpProp._param_device
+        return _export_meta(model, args, kwargs, policy)
+    device_type = tensors[0].device.type if tensors else "cpu"
     if policy is None or device_type not in ("cpu", "cuda"):
         return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     with target_autocast(policy, device_type):
         return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    # A CPU tensor of t's shape, strides and dtype (the strides decide which later views are legal). Its memory is
+    # never written, the trace only reads shapes, so the OS backs none of it: a 7B model's stand-ins cost no RAM.
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
+
+
+def _export_meta(model: nn.Module, args: tuple, kwargs: dict, policy: Policy):
+    """Export a meta-built model under the target's autocast: autocast does not act on meta tensors, so a meta
+    export would bake ``finfo(x.dtype)`` and ``.to(x.dtype)`` as fp32's. The model's meta weights and buffers
+    (and meta inputs) are swapped for CPU stand-ins for the trace, then put back, also in the exported program."""
+    originals: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+
+    def cpu(t):
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        if id(t) not in made:        # tied weights stay one tensor
+            made[id(t)] = _stand_in(t)
+            originals[id(made[id(t)])] = t
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is not None and t.is_meta:
+                    swapped.append((table, name, t))
+                    table[name] = cpu(t)
+    try:
+        args, kwargs = tree_map(cpu, (tuple(args), dict(kwargs)))
+        with target_autocast(policy, "cpu"):
+            ep = torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+    for table in (ep.state_dict, ep.constants):      # non-persistent buffers (rotary inv_freq) are constants
+        for name, t in list(table.items()):
+            table[name] = originals.get(id(t), t)
+    # Tensors the forward makes (arange(device=key.device)) were baked on the stand-ins' CPU: back to meta, or
+    # the propagation's meta run would mix devices.
+    meta = torch.device("meta")
+    for n in ep.graph.nodes:
+        n.args, n.kwargs = tree_map(lambda v: meta if isinstance(v, torch.device) and v.type == "cpu" else v,
+                                    (n.args, n.kwargs))
+    ep.graph_module.recompile()
+    return ep
 
 
 def data_dependent(exc: BaseException) -> bool:

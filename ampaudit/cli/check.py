@@ -57,6 +57,10 @@ def check(
     rule_dirs = [str(r) for r in (rules or [])] or cfg.get("rules", [])
     _refuse_bad_arguments(fmt, fail, batch, calibrate, calibrate_batches, rule_dirs, sel, ign)
     opt_level = _refuse_bad_training(opt_level, train_steps, lr, calibrate)
+    if output is not None:
+        from ampaudit.fileio import writable_as
+
+        writable_as("--output", output, folder=False)      # as report --html: refused now, not after the audit
     from ampaudit.api import check as run_check
     from ampaudit.loading import load_target
     from ampaudit.policy import Policy

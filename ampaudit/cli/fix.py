@@ -35,6 +35,9 @@ def fix(
 ) -> None:
     """Rewrite a model so it runs safely under autocast: FP32 islands around flagged ops, verified; or fix your
     own source with --diff / --write."""
+    from ampaudit.target_path import model_file
+
+    model_file(target)      # a missing file is refused first, before torch loads
     if force and not write:
         raise UsageError("--force applies to --write", hint="add --write")
     if diff or write:

@@ -49,6 +49,10 @@ def plan(
         raise UsageError(f"unknown --format {format!r}", hint=f"use one of {', '.join(FORMATS)}")
     if recipes is not None and recipe is not None:
         raise UsageError("--recipes and --recipe both given", hint="pass the list to --recipes only")
+    if output is not None:
+        from ampaudit.fileio import writable_as
+
+        writable_as("--output", output, folder=False)      # refused now, not after the measurements
     from ampaudit.analysis.calibrate import batches_from
     from ampaudit.loading import load_target
     from ampaudit.planning.api import plan as make_plan

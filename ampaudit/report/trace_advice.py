@@ -43,7 +43,8 @@ CONFIRMABLE_FAMILIES = frozenset({"sensitive-op", "normalization", "constant", "
 
 
 def load_findings(path: str | os.PathLike) -> list[dict]:
-    """The findings of an ``ampaudit check --format json`` file (a bare list of findings is accepted too)."""
+    """The findings of an ``ampaudit check --format json`` file (a bare, non-empty list of findings is accepted
+    too); an InputError for anything else, an entry that is not a finding included."""
     p = Path(path)
     hint = "pass the output of `ampaudit check MODEL --format json > findings.json`"
     try:
@@ -57,7 +58,14 @@ def load_findings(path: str | os.PathLike) -> list[dict]:
     findings = doc.get("findings") if isinstance(doc, dict) else doc
     if not isinstance(findings, list):
         raise InputError(f"findings file {p} has no \"findings\" list", hint=hint)
-    return [f for f in findings if isinstance(f, dict)]
+    if not findings and not isinstance(doc, dict):
+        # check's own output of a clean model is {"findings": []}; a bare [] says nothing of where it came from.
+        raise InputError(f"findings file {p} is an empty list, not the output of ampaudit check", hint=hint)
+    for i, f in enumerate(findings):
+        if not isinstance(f, dict) or not isinstance(f.get("rule"), str):
+            raise InputError(f"findings file {p}: entry {i} is not a finding (an object with a \"rule\")",
+                             hint=hint)
+    return findings
 
 
 def _evidence(summary: dict, data: Any, culprits: list, all_headroom: list[dict]) -> dict[str, list]:

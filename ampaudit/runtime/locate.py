@@ -11,7 +11,9 @@ output is finite. Non-finite values that enter from outside the computation are 
 ``cause`` "parameter", "buffer" or "input". An op that raises (fp16 cannot hold a constant) gives
 ``kind="error"`` with the message, instead of a crash.
 
-Attribution: a stack of module forward hooks names the innermost module whose own forward runs the op.
+Attribution: a stack of module forward hooks names the innermost module whose own forward runs the op; its
+line is the innermost frame of the model's code (:func:`~ampaudit.runtime.module_stack.model_location`: the
+user's own file, else an installed library's, as transformers' for its models), never replay's caller.
 For backward ops, each autograd node is mapped to the module that was innermost when the node was created:
 autograd numbers nodes in creation order, so module entries/exits are marked with the current sequence
 number and a backward node's ``_sequence_nr()`` is looked up in those intervals. Backward source lines come
@@ -32,10 +34,9 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampaudit.user_code import is_user_file
 from ampaudit.dtypes import is_half
 from ampaudit.notes import note
-from ampaudit.runtime.module_stack import ModuleStack, short_location, source_from_lines, user_source
+from ampaudit.runtime.module_stack import ModuleStack, model_location, source_from_lines, user_source
 from ampaudit.runtime.replay_state import float_tensors, preserved
 from ampaudit.wrappers import unwrap
 
@@ -78,9 +79,10 @@ class NonFiniteLocator(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             module = self.tracker.owner_of_node(node)
             meta = node.metadata.get("traceback_") if node is not None else None
-            source = source_from_lines(meta) if isinstance(meta, list) else None
+            source = source_from_lines(meta, stop=replay.__code__) if isinstance(meta, list) else None
             return "backward", module if module is not None else self.tracker.current, source
-        return "forward", self.tracker.current, user_source(sys._getframe(2))
+        # Frames from replay's outward are its caller's (a script's check(model) line), not the model's.
+        return "forward", self.tracker.current, user_source(sys._getframe(2), stop=replay.__code__)
 
     def _record(self, func: Any, kind: str, cause: str, dtype: str | None, **extra: Any) -> dict | None:
         phase, module, source = self._where()
@@ -225,11 +227,7 @@ def judge_against_fp32(root: nn.Module, events: list[dict], args: tuple, kwargs:
 
 
 def _python_error(exc: BaseException, module: str) -> dict:
-    source = None
-    for entry in reversed(traceback.extract_tb(exc.__traceback__)):
-        if is_user_file(entry.filename):
-            source = short_location(entry.filename, entry.lineno or 0)
-            break
+    source = model_location((e.filename, e.lineno or 0) for e in reversed(traceback.extract_tb(exc.__traceback__)))
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return {"phase": "forward", "module": module, "op": None, "source": source, "kind": "error",
             "cause": "op", "dtype": None, "message": f"{type(exc).__name__}: {first}"[:300]}

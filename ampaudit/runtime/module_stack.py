@@ -3,7 +3,7 @@
     names = module_names(model)               # {module: "blocks.0.attn"}, "" for the root
     with ModuleStack(model) as tracker:       # forward hooks on every module while active
         model(x)                              # tracker.current: the innermost running module's name
-    user_source()                             # "net.py:9", the innermost frame outside torch and ampaudit
+    user_source()                             # "net.py:9", the innermost frame of the model's code
 
 With ``mark_nodes=True`` the stack also marks autograd sequence numbers, so a backward node can be mapped to
 the module that created it (:meth:`ModuleStack.owner_of_node`), as the non-finite locator does.
@@ -14,14 +14,14 @@ import bisect
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
-from ampaudit.user_code import is_user_file
+from ampaudit.user_code import is_library_file, is_user_file
 
-_TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?')
 
 
 def short_location(filename: str, line: int) -> str:
@@ -33,14 +33,32 @@ def short_location(filename: str, line: int) -> str:
     return f"{filename}:{line}"
 
 
-def user_source(frame=None) -> str | None:
-    """``file:line`` of the innermost stack frame outside torch and ampaudit (None if there is none)."""
+def model_location(frames: Iterable[tuple[str, int]]) -> str | None:
+    """``file:line`` of the model's code among ``frames`` ((file, line), innermost first): the first in the user's
+    own files; failing that, the first in an installed library's (transformers' attention: a library model's own
+    code); None when every frame is torch's, ampaudit's or Python's."""
+    library = None
+    for filename, line in frames:
+        if is_library_file(filename):
+            library = library or short_location(filename, line)
+        elif is_user_file(filename):
+            return short_location(filename, line)
+    return library
+
+
+def user_source(frame=None, *, stop=None) -> str | None:
+    """:func:`model_location` of the stack from ``frame`` outward, up to the frame running code object ``stop``
+    (the caller of the model: it and the frames outside it, such as the script that called ``check``, are not the
+    model's code)."""
     f = frame if frame is not None else sys._getframe(1)
-    while f is not None:
-        if is_user_file(f.f_code.co_filename):
-            return short_location(f.f_code.co_filename, f.f_lineno)
-        f = f.f_back
-    return None
+
+    def frames():
+        nonlocal f
+        while f is not None and f.f_code is not stop:
+            yield f.f_code.co_filename, f.f_lineno
+            f = f.f_back
+
+    return model_location(frames())
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -57,13 +75,15 @@ def writer_source(own_file: str) -> str | None:
     return short_location(f.f_code.co_filename, f.f_lineno)
 
 
-def source_from_lines(lines: list[str]) -> str | None:
-    # Formatted stack entries, outermost first (anomaly mode's "traceback_" metadata).
-    for entry in reversed(lines):
-        m = _TB_FILE.search(entry)
-        if m and is_user_file(m["file"]):
-            return short_location(m["file"], int(m["line"]))
-    return None
+def source_from_lines(lines: list[str], *, stop=None) -> str | None:
+    """:func:`model_location` of formatted stack entries, outermost first (anomaly mode's "traceback_" metadata),
+    counting only the entries inside the last one that runs code object ``stop``."""
+    entries = [(m["file"], int(m["line"]), m["func"]) for m in map(_TB_FILE.search, lines) if m]
+    if stop is not None:
+        last = max((i for i, e in enumerate(entries) if (e[0], e[2]) == (stop.co_filename, stop.co_name)),
+                   default=-1)
+        entries = entries[last + 1:]
+    return model_location((file, line) for file, line, _ in reversed(entries))
 
 
 def module_names(root: nn.Module) -> dict[nn.Module, str]:

@@ -268,7 +268,7 @@ def _library_instead(f: Finding, kind: str, capture: str) -> str:
     from ampaudit.rules.engine import untraceable
 
     if kind == "pad_to_multiple":
-        text = "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad"
+        text = "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad -o DIR"
     else:
         text = keep_fp32_instead(f.module, " in your code,")
     return text if capture == "fx" else untraceable(text, f.module)

@@ -4,7 +4,7 @@
 shards the model's parameters *in fp32*: the shards are the FP32 master weights, and ``MixedPrecisionPolicy``
 all-gathers them cast to the training dtype for compute and reduce-scatters the gradients in ``reduce_dtype``
 (float32 by default). FSDP2 never upcasts: a model cast to bf16 before sharding has no fp32 masters at all, which
-is why :func:`~ampaudit.train.preflight.run_preflight` refuses it.
+is why the preflight's ``masters`` check (:func:`~ampaudit.train.preflight.check_masters`) refuses it.
 
     units = shard(model, dtype=torch.bfloat16, reduce_dtype=torch.float32)    # blocks, then the root
     with gradient_sync(model, boundary):            # no reduce-scatter on non-boundary micro-batches

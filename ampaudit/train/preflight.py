@@ -1,16 +1,19 @@
 """Precision preflight of a distributed run, before its first step: one line per check, each failure with its fix.
 
-    checks = run_preflight(model, dtype=torch.bfloat16, reduce_dtype=torch.float32, world_size=2, accum=2,
-                           fsdp=True, units=block_units(model), optimizer=opt, device=torch.device("cpu"))
+    units = block_units(model)                     # ampaudit.train.fsdp
+    checks = structure_checks(model, dtype=torch.bfloat16, world_size=2, fsdp=True, units=units)
+    checks += resource_checks(model, dtype=torch.bfloat16, reduce_dtype=torch.float32, world_size=2, accum=2,
+                              fsdp=True, units=units, optimizer=opt, device=torch.device("cpu"))
     for c in checks: print(c.line())              # "ok   fp32 masters: ...", "FAIL reduce: ..."
     failed(checks)                                 # the failing ones
+    preflight_only(model, dtype="bfloat16", fsdp=True)   # all of them, as ampaudit train --preflight-only
 
 The checks (names as printed): ``groups`` (one parameter dtype per FSDP group: fully_shard asserts otherwise),
 ``masters`` (trainable parameters are fp32 before sharding: FSDP2 does not upcast, so a model cast to bf16 first
 trains without master weights), ``reduce`` (the gradient reduction dtype and its overflow risk), ``memory``
 (per-rank bytes predicted for parameters, gradients, optimizer state and gathered weights, against the device),
 ``all-reduce`` (AVG against SUM/N on this process group, the reduction FSDP and DDP use for fp32/bf16). The
-all-reduce test is collective: every rank must call :func:`run_preflight`. Under O2 and FSDP, ``updates`` and
+all-reduce test is collective: every rank must call :func:`resource_checks`. Under O2 and FSDP, ``updates`` and
 ``optimizer state`` (:mod:`ampaudit.train.preflight_state`) warn about training state that will change in low
 precision without an FP32 master.
 """
