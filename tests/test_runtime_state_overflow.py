@@ -88,6 +88,8 @@ def test_a_buffer_is_named_only_where_fp32_holds_it_finite_beyond_the_range(star
     assert [e["tensor"] for e in meter.overflows] == (["acc"] if found else [])
     if found:
         assert meter.overflows[0]["fp32_absmax"] == pytest.approx(min(start, 65504.0) * factor)
+        # From an inf start the FP32 value is a lower bound, and the why says so.
+        assert ("already inf" in meter.overflows[0]["why"]) == (start == float("inf"))
 
 
 def test_the_session_measures_once_and_writes_the_overflow():

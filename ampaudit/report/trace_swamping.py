@@ -71,7 +71,7 @@ def overflow_advice(summary: dict) -> dict | None:
         return None
     first = rows[0]
     where = "; ".join(f"{r['tensor']} ({r['kind'] or '?'} of {r['module'] or '<top>'}, {r['dtype'] or '?'}): "
-                      f"its updates compute up to {fmt(r['fp32_absmax'], '.3g', none='?')} in FP32, beyond "
+                      f"its FP32 updates reach {fmt(r['fp32_absmax'], '.3g', none='?')}, beyond "
                       f"{fmt(r['limit'], '.6g', none='?')}, from step {r['first_step']}" for r in rows[:SHOWN])
     return {"kind": "state_overflow", "severity": "warning", "modules": sorted({r["module"] or "<top>" for r in rows}),
             "tensors": [r["tensor"] for r in rows],
@@ -145,7 +145,7 @@ def render_swamping(sw: dict, console: Any) -> None:
     tensors = sw.get("tensors") or []
     for r in sw.get("overflows") or []:
         console.print(f"\n[bold]State overflow[/] [red]![/] [bold]{escape(r['tensor'])}[/] "
-                      f"({escape(r['kind'] or '?')}, {escape(r['dtype'] or '?')}): updates compute up to "
+                      f"({escape(r['kind'] or '?')}, {escape(r['dtype'] or '?')}): FP32 updates reach "
                       f"{fmt(r['fp32_absmax'], '.3g', none='?')}, beyond {fmt(r['limit'], '.6g', none='?')}")
     if not tensors:
         return

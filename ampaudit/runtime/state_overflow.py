@@ -7,7 +7,7 @@ the batch's statistics, so the outputs and the loss stay finite and nothing look
 buffer. The swamping meter (:mod:`ampaudit.runtime.swamping`) already re-runs each in-place write into such a
 tensor on an FP32 copy on its sampled steps; at the end of the step it asks here, per tensor::
 
-    row = overflow(start_inf, final, intended)    # None, or {"elements", "numel", "fp32_absmax", "limit", "dtype"}
+    row = overflow(start_inf, final, intended)    # None, or {"elements", "numel", "fp32_absmax", "limit", ...}
     fields = describe_overflow(candidate, row, model, o2=True)   # the event's fields, with why and fix
 
 An element already inf when the step began (the cast made it so) has no FP32 value to start from: the FP32 copy
@@ -51,8 +51,11 @@ def overflow(start_inf: torch.Tensor | None, final: torch.Tensor, intended: torc
     n = int(lost.sum())
     if n == 0:
         return None
+    # An element inf before the step has a lower bound only: its FP32 copy started at the largest finite value.
+    bound = start_inf is not None and bool(start_inf[lost].any())
     return {"elements": n, "numel": final.numel(), "fp32_absmax": float(want[lost].abs().max()),
-            "limit": limit, "dtype": name_of(final.dtype), "nonfinite": bool(stored_bad[lost].any())}
+            "limit": limit, "dtype": name_of(final.dtype), "nonfinite": bool(stored_bad[lost].any()),
+            "lower_bound": bound}
 
 
 def describe_overflow(c: Any, row: dict, model: nn.Module, *, o2: bool) -> dict:
@@ -60,9 +63,10 @@ def describe_overflow(c: Any, row: dict, model: nn.Module, *, o2: bool) -> dict:
     ``c``: the meter's candidate (name, module, kind); ``o2``: the run casts the model itself (opt level O2)."""
     dtype, leaf = row["dtype"], c.name.rsplit(".", 1)[-1]
     held = "inf/NaN" if row["nonfinite"] else f"pinned at {row['limit']:.6g}"
+    reach = (f"take even {row['limit']:.6g} (it was already inf) to {row['fp32_absmax']:.3g} in FP32"
+             if row.get("lower_bound") else f"compute up to {row['fp32_absmax']:.3g} in FP32")
     why = (f"{c.name} is stored in {dtype}, whose largest value is {row['limit']:.6g}; its in-place updates "
-           f"compute up to {row['fp32_absmax']:.3g} in FP32, so {row['elements']} of its {row['numel']} elements "
-           f"are {held}")
+           f"{reach}, so {row['elements']} of its {row['numel']} elements are {held}")
     cast = "after the O2 cast" if o2 else f"where the model is cast to {dtype}"
     try:
         owner = model.get_submodule(c.module) if c.module else model
