@@ -113,3 +113,15 @@ def test_the_buffer_and_teacher_fixes_name_the_o2_cast_only_for_an_o2_run():
         assert "after the O2 cast" in describe(cand, row, o2=True)["fix"]
         o1 = describe(cand, row, o2=False)["fix"]
         assert "O2" not in o1 and "where the model is made bfloat16" in o1
+
+
+def test_the_html_report_shows_the_overflow():
+    pytest.importorskip("plotly")
+    from ampaudit.report.html import build_html
+
+    events = [{"event": "meta", "version": 4, "dtype": "float16"}, {"event": "step", "step": 0, "loss": 1.0},
+              {"event": "state_overflow", "step": 0, "tensor": "bn.running_var", "module": "bn", "kind": "buffer",
+               "dtype": "float16", "elements": 16, "numel": 16, "fp32_absmax": 1.0e5, "limit": 65504.0,
+               "why": "beyond float16", "fix": "keep BatchNorm in float32"}]
+    page = build_html(events)
+    assert "state overflow" in page and "bn.running_var" in page and "keep BatchNorm in float32" in page
