@@ -125,3 +125,13 @@ def test_the_html_report_shows_the_overflow():
                "why": "beyond float16", "fix": "keep BatchNorm in float32"}]
     page = build_html(events)
     assert "state overflow" in page and "bn.running_var" in page and "keep BatchNorm in float32" in page
+
+
+def test_the_preflight_names_the_o2_cast_only_for_an_o2_run():
+    from ampaudit.train.preflight_state import check_updates
+
+    model = Accumulates(1.0, 0.999).bfloat16()
+    batch = (torch.randn(2, 4, dtype=torch.bfloat16), None)
+    o2, plain = (check_updates(model, batch, dtype=torch.bfloat16, o2=flag) for flag in (True, False))
+    assert o2.status == plain.status == "warn" and "acc" in o2.message
+    assert "after the O2 cast" in o2.hint and "O2" not in plain.hint
