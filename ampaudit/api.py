@@ -27,7 +27,7 @@ from ampaudit.rules.registry import MatchContext
 from ampaudit.notes import collect
 from ampaudit.quiet import quiet
 from ampaudit.registry import Registry
-from ampaudit.runtime.replay_state import buffer_snapshot
+from ampaudit.runtime.replay_state import state_snapshot
 
 
 @dataclass
@@ -115,27 +115,31 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     validate_selectors(rules, list(ignore or []), "--ignore")
     active = [r for r in rules if rule_selected(r, list(select or []), list(ignore or []))]
 
-    # Capturing runs the model (export and dispatch for real, fx's shape pass on fake inputs): a module in
-    # training mode would move BatchNorm's running statistics. An audit changes nothing the user has.
-    restore = buffer_snapshot(model)
+    # Capturing runs the user's forward (fx's tracing and shape pass, export's, dispatch's recording) and
+    # calibration runs it again: a module in training mode moves BatchNorm's running statistics, an EMA teacher
+    # updated in forward moves its weights. An audit changes nothing the user has: parameters, buffers, modes
+    # and requires_grad are put back as they were, whatever ran.
+    restore = state_snapshot(model)
     try:
         cap = capture_any(model, args, kwargs, mode=capture_mode, policy=policy)
         prop = AmpProp(cap.gm, policy, specialize=specialize)
         g_args, g_kwargs = cap.graph_inputs(args, kwargs)
         with quiet():                      # fake kernels (torchvision's) warn while shapes propagate
             prop.propagate(*g_args, **g_kwargs)
+        restore()                          # calibration measures the model the user gave, not one capture moved
+        _require_tensor_output(cap)
+        ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, batch=batch)
+        skipped: list[str] = []
+        if calibrate:
+            # What a statistic or the simulation had to skip is said in the report, not raised.
+            with collect() as skipped, quiet():
+                data = data or _data(args, kwargs, batches, loss_fn, train_data, optimizer, scheduler)
+                ctx.calibration = _calibrate(model, data, policy)
+                skipped.extend(TRAINING.load()["calibrate"](ctx.calibration, model, data, policy,
+                                                            opt_level=opt_level, steps=train_steps, lr=lr,
+                                                            example=(args, kwargs)))
     finally:
         restore()
-    _require_tensor_output(cap)
-    ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, batch=batch)
-    skipped: list[str] = []
-    if calibrate:
-        # What a statistic or the simulation had to skip is said in the report, not raised.
-        with collect() as skipped, quiet():
-            data = data or _data(args, kwargs, batches, loss_fn, train_data, optimizer, scheduler)
-            ctx.calibration = _calibrate(model, data, policy)
-            skipped.extend(TRAINING.load()["calibrate"](ctx.calibration, model, data, policy, opt_level=opt_level,
-                                                        steps=train_steps, lr=lr, example=(args, kwargs)))
     findings, suppressed = run_rules(ctx, active)
     if cap.mode != "fx":
         route_untraceable(findings)

@@ -13,6 +13,9 @@ For each planted model (../shared/planted and tests/planted, the module named in
   points at the culprit: the first non-finite value's module, the top own-error culprit, or a recommendation
   (decisions, swamping, precursors, keep_fp32) listing it. Training faults (``"phase": "training"``: state that
   loses its updates, logits that grow) run their ``EXPECT`` options (``opt_level``) for 34 steps; the others 2.
+  A fault of the half model (``"fails_in": "half model (O2)"``: a BatchNorm buffer past fp16's range), which
+  ``ampaudit train`` cannot show (its O2 keeps BatchNorm fp32), runs instead as a user's loop would:
+  ``model.half()`` under ``ampaudit.watch`` for ``WATCH_STEPS`` steps of the file's train_data/loss_fn.
 
 The healthy twins of the training faults (``ema_teacher_fp32``, ``attn_logit_growth`` with ``--entry
 build_qknorm_model`` and with ``--lr 0.02``) run both paths too, and must raise no swamping or precursor warning.
@@ -42,6 +45,24 @@ TRAINING_STEPS = 34     # training faults, both paths: attn_logit_growth crosses
 TWINS = (("ema_teacher_fp32", {}), ("attn_logit_growth", {"entry": "build_qknorm_model"}),
          ("attn_logit_growth", {"lr": 0.02}))
 TRAINING_ALARMS = ("swamping", "preflight", "precursor")
+HALF_MODEL = "half model (O2)"      # EXPECT["fails_in"] of a fault only the half model shows
+WATCH_STEPS = 3
+
+# A user's loop on the half model: the file's train_data and loss_fn, SGD, every step sampled.
+_WATCH_LOOP = '''import itertools, runpy, sys, torch
+from torch.utils._pytree import tree_map
+import ampaudit
+m = runpy.run_path(sys.argv[1])
+model = m["build_model"]().half().train()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+half = lambda t: t.half() if torch.is_tensor(t) and t.is_floating_point() else t
+with ampaudit.watch(model, sys.argv[2], every=1) as w:
+    for inputs, target in itertools.islice(m["train_data"](), int(sys.argv[3])):
+        inputs = tree_map(half, inputs if isinstance(inputs, (tuple, list, dict)) else (inputs,))
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        m["loss_fn"](out, target).backward()
+        opt.step(); opt.zero_grad()
+'''
 
 _WRAPPER = '''import itertools, runpy, torch
 _m = runpy.run_path({path!r})
@@ -101,6 +122,8 @@ def run_trace(path: Path, expect: dict, work: Path, twin: dict | None = None) ->
     for key in ("entry", "lr"):
         if (twin or {}).get(key) is not None:
             cmd += [f"--{key}", str(twin[key])]
+    if expect.get("fails_in") == HALF_MODEL:
+        cmd = [sys.executable, "-c", _WATCH_LOOP, str(model_file), str(trace), str(WATCH_STEPS)]
     env = {**os.environ, "COLUMNS": "200"}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     row = {"train_rc": run.returncode}

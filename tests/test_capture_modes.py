@@ -1,6 +1,8 @@
 """fx, torch.export and dispatch-level captures give the same findings on the same model."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -90,4 +92,61 @@ def test_an_audit_changes_no_buffer_of_a_training_mode_model(mode):
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ampaudit.check(model, torch.randn(2, 3, 8, 8), capture_mode=mode)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class MovesItsState(nn.Module):
+    """A training-mode forward that writes what the user holds: an EMA teacher (in place, or through ``.data``,
+    which the parameter's version counter does not see and torch.export cannot capture), BatchNorm statistics, a
+    submodule's mode and a requires_grad flag."""
+
+    def __init__(self, via_data: bool):
+        super().__init__()
+        self.via_data = via_data
+        self.student = nn.Linear(8, 8)
+        self.teacher = nn.Linear(8, 8).requires_grad_(False)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+                    (t.data if self.via_data else t).mul_(0.5).add_(s.detach(), alpha=0.5)
+            self.teacher.eval()
+            self.student.bias.requires_grad_(False)
+        return self.norm(self.student(x)) + self.teacher(x)
+
+
+def _state(model: nn.Module):
+    tensors = {k: (v.detach().clone(), v._version) for k, v in
+               list(model.named_parameters()) + list(model.named_buffers())}
+    flags = {k: p.requires_grad for k, p in model.named_parameters()}
+    modes = {k: m.training for k, m in model.named_modules()}
+    return tensors, flags, modes
+
+
+@pytest.mark.parametrize("calibrate", [False, True], ids=["check", "calibrate"])
+@pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])
+def test_an_audit_leaves_every_parameter_buffer_mode_and_flag_as_the_user_had_them(mode, calibrate):
+    torch.manual_seed(0)
+    model = MovesItsState(via_data=mode != "export").train()
+    (tensors, flags, modes), objects = _state(model), dict(model.named_parameters())
+    report = ampaudit.check(model, torch.randn(4, 8), device="cpu", dtype="bfloat16", capture_mode=mode,
+                            calibrate=calibrate)
+    assert report.capture == mode
+    after, after_flags, after_modes = _state(model)
+    for name, (value, version) in tensors.items():
+        assert torch.equal(after[name][0], value), name
+    assert after_flags == flags and after_modes == modes
+    assert all(p is objects[k] for k, p in model.named_parameters())
+    # Tensors the forward did not write keep their version counter: nothing the caller holds is invalidated.
+    assert after["student.weight"][1] == tensors["student.weight"][1]
+
+
+def test_a_check_leaves_the_planted_ema_teacher_where_it_was():
+    # tests/planted/ema_teacher_bf16.py updates its teacher in forward (training mode): check must not.
+    m = load_module(Path(__file__).parent / "planted" / "ema_teacher_bf16.py")
+    model = m.build_model().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ampaudit.check(model, *m.example_inputs(), device="cpu", dtype="bfloat16")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

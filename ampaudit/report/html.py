@@ -79,6 +79,9 @@ def _facts(s: dict) -> str:
             f"<b>{_e(r['tensor'])}</b> ({_e(r['dtype'] or '?')}): {fmt(r['share_rounded'], '.0%')} of updates "
             f"rounded away, {fmt(r['realized_ratio'], '.0%')} of the FP32 movement kept" for r in tensors[:5])
             + (f"; {len(tensors) - 5} more" if len(tensors) > 5 else "")))
+    for r in (s.get("swamping") or {}).get("overflows") or []:
+        rows.append(("state overflow", f"<b>{_e(r['tensor'])}</b> ({_e(r['dtype'] or '?')}): FP32 updates reach "
+                                       f"{fmt(r['fp32_absmax'])}, beyond {fmt(r['limit'], '.6g')}"))
     if (s.get("decisions") or {}).get("sites"):
         dec = s["decisions"]
         flipped = "; ".join(f"<b>{_e(r['module'] or '<top>')}</b> {_e(r['op'])} {fmt(r['share_flipped'], '.1%')} "

@@ -7,8 +7,8 @@ and which ``ampaudit check`` findings the run confirmed.
         print(rec["severity"], rec["message"], rec.get("code"))
 
 Each recommendation is a dict: ``kind`` (broken | keep_fp32 | nonfinite_unlocated | confirmed_findings |
-init_scale | bf16 | clipping | grad_scale | eval_gap | swamping | preflight | decisions | precursor |
-loss_spike | fallback), ``severity`` (error | warning | info), ``message``, and, where there is one, ``code`` (a line to paste)
+init_scale | bf16 | clipping | grad_scale | eval_gap | state_overflow | swamping | preflight | decisions |
+precursor | loss_spike | fallback), ``severity`` (error | warning | info), ``message``, and, where there is one, ``code`` (a line to paste)
 and ``modules`` / ``findings``. Thresholds are the table :data:`THRESHOLDS` (``grad_scale``, from the gradient
 histograms: :mod:`ampaudit.report.grad_hist`; ``decisions``: :mod:`ampaudit.report.trace_decisions`; ``precursor``
 and ``loss_spike``, with ``signal``, ``step`` and ``value``: :mod:`ampaudit.report.trace_precursors`, thresholds in

@@ -241,7 +241,7 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         from ampaudit.report.trace_eval import render_eval
         render_eval(summary["eval"], c)
 
-    if (summary.get("swamping") or {}).get("tensors"):
+    if (summary.get("swamping") or {}).get("tensors") or (summary.get("swamping") or {}).get("overflows"):
         from ampaudit.report.trace_swamping import render_swamping
         render_swamping(summary["swamping"], c)
     if (summary.get("decisions") or {}).get("sites"):

@@ -79,6 +79,7 @@ class TraceData:
     fallbacks: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)         # rows of ampaudit.report.trace_eval
     swamping: list[dict] = field(default_factory=list)      # rows of ampaudit.report.trace_swamping
+    overflows: list[dict] = field(default_factory=list)     # state_overflow rows (same module)
     preflight: list[dict] = field(default_factory=list)     # state checks that did not pass (same module)
     decisions: list[dict] = field(default_factory=list)     # rows of ampaudit.report.trace_decisions
     precursors: list[dict] = field(default_factory=list)    # rows of ampaudit.report.trace_precursors

@@ -37,13 +37,13 @@ def collect(events: Iterable[dict]) -> TraceData:
     from ampaudit.report.trace_eval import eval_row
     from ampaudit.report.trace_fp8 import budget_row, fp8_row
     from ampaudit.report.trace_precursors import precursor_row
-    from ampaudit.report.trace_swamping import preflight_rows, swamping_row
+    from ampaudit.report.trace_swamping import overflow_row, preflight_rows, swamping_row
     from ampaudit.report.trace_recipes import fallback_row, recipe_row
 
     # Kinds read by their own module's row function into one TraceData list (a None row is skipped).
     rows = {"grad_hist": (hist_row, "grad_hist"), "fp8": (fp8_row, "fp8"), "fp8_budget": (budget_row, "fp8_budget"),
-            "eval": (eval_row, "evals"), "swamping": (swamping_row, "swamping"),
-            "decision": (decision_row, "decisions"), "precursor": (precursor_row, "precursors"),
+            "eval": (eval_row, "evals"), "swamping": (swamping_row, "swamping"), "precursor": (precursor_row,
+            "precursors"), "state_overflow": (overflow_row, "overflows"), "decision": (decision_row, "decisions"),
             "recipe_stats": (recipe_row, "recipes"), "fallback": (fallback_row, "fallbacks")}
     data = TraceData()
     last_step = 0
@@ -284,12 +284,13 @@ def recommend(summary: dict, data: TraceData, *, culprits: list, all_headroom: l
     from ampaudit.report.trace_eval import eval_advice
     from ampaudit.report.trace_precursors import precursor_advice
     from ampaudit.report.trace_recipes import fallback_advice
-    from ampaudit.report.trace_swamping import swamping_advice
+    from ampaudit.report.trace_swamping import overflow_advice, swamping_advice
 
     # Flipped decisions confirm findings too (AMP702); their advice is their own recommendation, not keep_fp32's.
     recs = run_advice(summary, data, culprits=culprits, all_headroom=all_headroom, findings=findings,
                       extra_evidence=decision_evidence(summary))
-    recs += [grad_hist_advice(summary), eval_advice(summary), swamping_advice(summary), decision_advice(summary),
+    recs += [grad_hist_advice(summary), eval_advice(summary), overflow_advice(summary), swamping_advice(summary),
+             decision_advice(summary),
              *precursor_advice(summary), fallback_advice(summary)]
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted((r for r in recs if r), key=lambda r: order[r["severity"]])

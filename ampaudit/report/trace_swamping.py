@@ -2,13 +2,15 @@
 about state that will change without an FP32 master (``preflight`` events): per tensor, the advice, the terminal
 section.
 
-    data = collect(events)              # ampaudit.report.trace_summary: fills data.swamping and data.preflight
+    data = collect(events)              # ampaudit.report.trace_summary: fills data.swamping, .overflows, .preflight
     swamping_summary(data)
     # {"tensors": [{"tensor": "teacher.0.weight", "module": "teacher.0", "kind": "param", "dtype": "bfloat16",
     #               "steps": 4, "first_step": 1, "last_step": 40, "share_rounded": 0.96, "realized_ratio": 0.52,
     #               "update_rel": 1.9e-4, "half_ulp_rel": 0.0039, "why": "...", "fix": "..."}, ...],
-    #  "preflight": [{"name": "updates", "status": "warn", "message": "...", "hint": "..."}]}
+    #  "preflight": [{"name": "updates", "status": "warn", "message": "...", "hint": "..."}],
+    #  "overflows": [{"tensor": "bn.running_var", "module": "bn", "dtype": "float16", "first_step": 0, ...}]}
     swamping_advice(summary)            # a recommendation (kind "swamping", or "preflight") or None
+    overflow_advice(summary)            # kind "state_overflow": state beyond its dtype's range (state_overflow)
 
 A tensor's row holds its last measured step's numbers (the state it ended in) and the highest share rounded seen.
 Tolerant like the rest of the summary: a malformed event is skipped, missing numbers become ``None``.
@@ -37,6 +39,47 @@ def swamping_row(ev: dict, step: int | None) -> dict | None:
                                               "elements", "numel")}}
 
 
+def overflow_row(ev: dict, step: int | None) -> dict | None:
+    """One ``state_overflow`` event as a row; None without a tensor name."""
+    tensor = ev.get("tensor")
+    if not isinstance(tensor, str):
+        return None
+    text = {k: ev.get(k) if isinstance(ev.get(k), str) else None
+            for k in ("module", "kind", "dtype", "why", "fix", "source")}
+    return {"step": step, "tensor": tensor, **text,
+            **{k: finite(ev.get(k)) for k in ("elements", "numel", "fp32_absmax", "limit")}}
+
+
+def _overflows(data: Any) -> list[dict]:
+    """One row per tensor that overflowed: its first step, the most elements and the largest FP32 value seen."""
+    by_tensor: dict[str, dict] = {}
+    for row in getattr(data, "overflows", []):
+        seen = by_tensor.setdefault(row["tensor"], {**row, "first_step": row["step"], "steps": 0})
+        seen["steps"] += 1
+        for key in ("elements", "fp32_absmax"):
+            if row[key] is not None:
+                seen[key] = max(seen[key] or 0, row[key])
+    for r in by_tensor.values():
+        r.pop("step", None)
+    return list(by_tensor.values())
+
+
+def overflow_advice(summary: dict) -> dict | None:
+    """The warning naming each tensor whose stored value overflowed while FP32 held it finite, else None."""
+    rows = (summary.get("swamping") or {}).get("overflows") or []
+    if not rows:
+        return None
+    first = rows[0]
+    where = "; ".join(f"{r['tensor']} ({r['kind'] or '?'} of {r['module'] or '<top>'}, {r['dtype'] or '?'}): "
+                      f"its FP32 updates reach {fmt(r['fp32_absmax'], '.3g', none='?')}, beyond "
+                      f"{fmt(r['limit'], '.6g', none='?')}, from step {r['first_step']}" for r in rows[:SHOWN])
+    return {"kind": "state_overflow", "severity": "warning", "modules": sorted({r["module"] or "<top>" for r in rows}),
+            "tensors": [r["tensor"] for r in rows],
+            "message": f"{len(rows)} tensor(s) of training state overflow their storage while FP32 holds them "
+                       f"finite: {where}. Why: {first['why'] or 'the value is beyond the dtype range'}. "
+                       f"Fix: {first['fix'] or 'keep it in float32'}"}
+
+
 def preflight_rows(ev: dict) -> list[dict]:
     """The state checks of a ``preflight`` event that did not pass."""
     checks = ev.get("checks") if isinstance(ev.get("checks"), list) else []
@@ -60,7 +103,7 @@ def swamping_summary(data: Any) -> dict:
                                                         else 1.0, -(r["share_rounded"] or 0.0)))
     for r in tensors:
         r.pop("step", None)
-    return {"tensors": tensors, "preflight": list(data.preflight)}
+    return {"tensors": tensors, "preflight": list(data.preflight), "overflows": _overflows(data)}
 
 
 def _pct(x: float | None) -> str:
@@ -100,6 +143,12 @@ def render_swamping(sw: dict, console: Any) -> None:
     from rich.markup import escape
 
     tensors = sw.get("tensors") or []
+    for r in sw.get("overflows") or []:
+        console.print(f"\n[bold]State overflow[/] [red]![/] [bold]{escape(r['tensor'])}[/] "
+                      f"({escape(r['kind'] or '?')}, {escape(r['dtype'] or '?')}): FP32 updates reach "
+                      f"{fmt(r['fp32_absmax'], '.3g', none='?')}, beyond {fmt(r['limit'], '.6g', none='?')}")
+    if not tensors:
+        return
     console.print(f"\n[bold]Swamping[/] (low-precision state whose updates round away; {len(tensors)} tensors)")
     for r in tensors[:10]:
         rel = "" if r["update_rel"] is None else (f", updates ~{r['update_rel']:.1e} of the value vs half an ulp "
@@ -109,5 +158,5 @@ def render_swamping(sw: dict, console: Any) -> None:
                       f"{_pct(r['realized_ratio'])}{escape(rel)}, {r['steps']} sampled steps")
 
 
-__all__ = ["STATE_CHECKS", "preflight_rows", "render_swamping", "swamping_advice", "swamping_row",
-           "swamping_summary"]
+__all__ = ["STATE_CHECKS", "overflow_advice", "overflow_row", "preflight_rows", "render_swamping", "swamping_advice",
+           "swamping_row", "swamping_summary"]

@@ -90,6 +90,7 @@ class PassHooks:
     _bslot: dict
     _schedule: DivergenceSchedule
     _decisions: DecisionCheck | None     # decision flips against FP32, on the divergence checks
+    _updates: Callable[[int], None] | None   # a step starts: the swamping meter's turn (None: off)
     _pass: PassState
     # across passes
     step: int
@@ -128,6 +129,8 @@ class PassHooks:
         elif self._interval_start is None:
             self._interval_start = self.step
         step = self.step
+        if self._updates is not None:
+            self._updates(step)
         self._forwards += 1
         p = self._pass = PassState(step=step, open=True)
         if self.stats and self._passes % self.stats_every == 0:

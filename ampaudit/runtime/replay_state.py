@@ -3,6 +3,7 @@
     with preserved(model, capture_rng(float_tensors(x))):   # buffers (BatchNorm stats) and RNG restored
         model(x)
     restore = buffer_snapshot(model); ...; restore()
+    restore = state_snapshot(model); ...; restore()            # parameters too, modes, requires_grad
     model_device(model)                                     # "cpu": where its parameters live
 
 Every replay of ampaudit (the non-finite locator, the divergence probe, decisions, calibration, fix
@@ -44,6 +45,53 @@ def buffer_snapshot(root: nn.Module) -> Callable[[], None]:
                 if name in saved and b.shape == saved[name].shape:
                     b.copy_(saved[name])
     return restore
+
+
+def state_snapshot(root: nn.Module) -> Callable[[], None]:
+    """A copy of everything ``root`` holds: each parameter and buffer (values and the tensor object under its
+    name), each parameter's ``requires_grad`` and ``.grad`` object, and each module's training mode. Call the
+    result to put it all back, bit for bit.
+
+    Only tensors whose bits changed are written back, so a tensor user code did not touch keeps its version
+    counter (autograd graphs the caller holds stay valid). The version counter cannot tell which ones changed by
+    itself: ``p.data.mul_(m)``, the usual EMA update, writes through a tensor with a counter of its own. Meta
+    tensors hold no values and are only put back under their names."""
+    slots = []
+    for mod in root.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in table.items():
+                if t is not None:
+                    value = None if t.is_meta else t.detach().clone()
+                    slots.append((table, key, t, value, t.requires_grad, t.grad if t.is_leaf else None))
+    modes = [(mod, mod.training) for mod in root.modules()]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for table, key, t, value, requires_grad, grad in slots:
+                table[key] = t
+                if value is not None and t.shape == value.shape and not _same_bits(t, value):
+                    t.copy_(value)
+                if t.is_leaf:
+                    if t.requires_grad != requires_grad:
+                        t.requires_grad_(requires_grad)
+                    if t.grad is not grad:
+                        t.grad = grad
+        for mod, training in modes:
+            mod.training = training
+    return restore
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (NaN equal to the same NaN, -0.0 not equal to 0.0)."""
+    if a.dtype != b.dtype or a.device != b.device:
+        return False
+    as_int = _SAME_SIZE_INT.get(a.dtype.itemsize) if a.is_floating_point() else None
+    if as_int is not None and a.is_contiguous() and b.is_contiguous():
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.equal(a, b)
 
 
 @contextlib.contextmanager

@@ -168,8 +168,10 @@ class WatchSession:
         options: dict[str, Any] = {} if self.replays else {"locate_first": False, "max_replays": 0}
         if self.stats_every is not None:
             options["stats_every"] = self.stats_every
+        # The session measures swamping itself (the trainer gives it the optimizer and the masters), not the watch.
         self.watch = Watch(model, self.writer, every=self.every, divergence_every=self.divergence_every,
-                           dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats, **options)
+                           dtype=dtype, raise_on_nonfinite=self.raise_on_nonfinite, stats=self.stats,
+                           swamping=False, **options)
         if self.stats:
             from ampaudit.runtime.layer_meters import LayerMeters
 
@@ -199,10 +201,12 @@ class WatchSession:
             self.layers.restore_recipe_state(state)
 
     def measure_updates(self, *, optimizer: torch.optim.Optimizer | None = None,
-                        mastered: list[torch.Tensor] | tuple = (), names: dict[int, str] | None = None) -> None:
+                        mastered: list[torch.Tensor] | tuple = (), names: dict[int, str] | None = None,
+                        o2: bool = False) -> None:
         """Measure swamping (:mod:`ampaudit.runtime.swamping`) of the model's low-precision state on the steps
         the statistics sample: ``optimizer``'s states too, less the ``mastered`` parameters (an FP32 master takes
-        their updates); ``names``: id(optimizer parameter) -> parameter name. :meth:`start` measures the model's
+        their updates); ``names``: id(optimizer parameter) -> parameter name; ``o2``: the run casts the model itself
+        (the fixes say so). :meth:`start` measures the model's
         parameters and buffers alone; the trainer calls this after it with its optimizer and masters."""
         if self.watch is None or not self.stats:
             return
@@ -210,7 +214,7 @@ class WatchSession:
 
         if self.swamp is not None:
             self.swamp.abort()
-        self.swamp = SwampMeter(self._model, optimizer=optimizer, mastered=mastered, names=names,
+        self.swamp = SwampMeter(self._model, optimizer=optimizer, mastered=mastered, names=names, o2=o2,
                                 skip=lambda: self.watch is not None and self.watch.replaying)
 
     def begin_step(self, step: int) -> None:
@@ -299,6 +303,8 @@ class WatchSession:
         if self.swamp is not None and self.swamp.active:   # the optimizer has stepped: the step's updates are in
             for event in self.swamp.finish():
                 self.writer.write("swamping", **event)
+            for event in self.swamp.overflows:
+                self.writer.write("state_overflow", **event)
         # The scale this step's gradients carried, for its grad_hist events; no scale is no scaler: 1.
         self.watch.set_loss_scale(scale or 1.0)
         self.writer.write("step", step=self._step, loss=loss, scale=scale, skipped=bool(skipped),

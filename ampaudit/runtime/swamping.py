@@ -10,6 +10,7 @@ bf16's half ulp (2^-9 to 2^-8 of the value), so it barely moves at all.
     meter.begin(step)            # a sampled step: intercept in-place writes from here on
     ...forward, backward, optimizer.step(), EMA updates...
     for event in meter.finish(): writer.write("swamping", **event)
+    for event in meter.overflows: writer.write("state_overflow", **event)   # the step's state beyond its range
 
 How: while a step is measured, a ``TorchDispatchMode`` sees every aten op. An op that writes (its schema marks
 the argument ``Tensor(a!)``: ``add_``, ``mul_``, ``lerp_``, ``copy_``, the ``_foreach_*_`` family, the running
@@ -22,6 +23,8 @@ nonzero, those whose stored value did not move) and ``realized_ratio`` (norm of 
 delta). Cost: nothing on the other steps, nor on a model without low-precision state (the mode is not entered);
 on a measured step one Python call per aten op, an FP32 copy and a start copy of each tensor that changes, at most
 ``[swamping] max_elements`` elements per step (beyond that, tensors are measured in turn over the sampled steps).
+The same FP32 copies name state whose stored value overflows while FP32 holds it finite (``meter.overflows``,
+``state_overflow`` events; :mod:`ampaudit.runtime.state_overflow`: a half model's BatchNorm running_var).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from ampaudit import dtypes
 from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
 from ampaudit.runtime.module_stack import writer_source
+from ampaudit.runtime.state_overflow import describe_overflow, fp32_start, overflow
 
 LOW_FLOATS = dtypes.LOW_FLOATS
 _aten = torch.ops.aten
@@ -74,6 +78,7 @@ class _Measure:
     start: torch.Tensor          # the stored value at the first write of the step
     intended: torch.Tensor       # FP32: what FP32 storage would hold now
     source: str | None = None    # file:line of the user's code that first wrote it this step
+    start_inf: torch.Tensor | None = None   # elements inf in storage at the first write (FP32 starts them at max)
 
 
 def _module_of(name: str) -> str:
@@ -176,13 +181,14 @@ class SwampMeter:
     ``optimizer``: its low-precision states are candidates too (from the step after they exist). ``mastered``:
     parameters whose FP32 master takes the updates (O2's; FSDP's fp32 shards are never candidates). ``names``:
     id(optimizer parameter) -> parameter name (O2: the masters'). ``skip``: while it returns True (the watch's
-    own replays, which restore what they touch) ops pass unmeasured.
+    own replays, which restore what they touch) ops pass unmeasured. ``o2``: the run casts the model (the fixes say).
     """
 
     def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                  mastered: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None,
-                 skip: Callable[[], bool] = lambda: False):
-        self.model, self.optimizer, self.names, self.skip = model, optimizer, names, skip
+                 skip: Callable[[], bool] = lambda: False, o2: bool = False):
+        self.model, self.optimizer, self.names, self.skip, self.o2 = model, optimizer, names, skip, o2
+        self.overflows: list[dict] = []     # the last finished step's state_overflow events (fields)
         self._mastered = list(mastered)
         table = settings().get("swamping", {})
         self.share_line = float(table.get("share_rounded", 0.5))
@@ -247,7 +253,8 @@ class SwampMeter:
             if cand is None:
                 return None
             # The user's line is looked up once per tensor and measured step (a walk up the Python stack).
-            m = _Measure(cand, cand.tensor.detach().clone(), cand.tensor.detach().float(), writer_source(__file__))
+            intended, start_inf = fp32_start(cand.tensor)
+            m = _Measure(cand, cand.tensor.detach().clone(), intended, writer_source(__file__), start_inf)
             self._measures[(t.data_ptr(), t.numel())] = m
         return m
 
@@ -318,10 +325,13 @@ class SwampMeter:
         no numbers then), what ``check --calibrate`` reports of one forward."""
         measures, step = list(self._measures.values()), self.step
         self.abort()
-        out = []
+        out, self.overflows = [], []
         for m in measures:
-            row = measure_update(m.start, m.cand.tensor.detach(), m.intended)
             where = {"source": m.source} if m.source else {}
+            if (lost := overflow(m.start_inf, m.cand.tensor, m.intended)) is not None:
+                self.overflows.append({"step": step, **describe_overflow(m.cand, lost, self.model, o2=self.o2),
+                                       **where})
+            row = measure_update(m.start, m.cand.tensor.detach(), m.intended)
             if row is None:
                 if every:
                     out.append({"step": step, "tensor": m.cand.name, "module": m.cand.module, "kind": m.cand.kind,
@@ -329,7 +339,7 @@ class SwampMeter:
                 continue
             flagged = row["share_rounded"] >= self.share_line or row["realized_ratio"] <= self.ratio_line
             if flagged or every:
-                out.append({"step": step, **describe(m.cand, row), **where,
+                out.append({"step": step, **describe(m.cand, row, o2=self.o2), **where,
                             **({"flagged": flagged, "moved": True} if every else {})})
         return out
 
@@ -355,10 +365,10 @@ def measure_update(start: torch.Tensor, final: torch.Tensor, intended: torch.Ten
             "half_ulp_rel": dtypes.unit_roundoff(start.dtype), "dtype": name_of(start.dtype)}
 
 
-def describe(c: Candidate, row: dict) -> dict:
-    """The event's fields: the numbers, ``tensor``, ``module``, ``kind``, and ``why`` / ``fix`` in words."""
-    dtype = row["dtype"]
-    rel, half = row["update_rel"], row["half_ulp_rel"]
+def describe(c: Candidate, row: dict, *, o2: bool = False) -> dict:
+    """The event's fields: the numbers, ``tensor``, ``module``, ``kind``, ``why`` / ``fix`` (``o2``: for an O2 run)."""
+    dtype, rel, half = row["dtype"], row["update_rel"], row["half_ulp_rel"]
+    cast = "after the O2 cast" if o2 else f"where the model is made {dtype}"
     rounded = f"{row['share_rounded']:.0%} of them below half a {dtype} ulp"
     if rel is None:
         size = f"updates, {rounded}"
@@ -373,10 +383,10 @@ def describe(c: Candidate, row: dict) -> dict:
     elif c.kind == "buffer":
         why = f"buffer updated in place in {dtype} with no FP32 copy: {size}"
         fix = (f"keep the buffer in float32 (e.g. {c.module or 'model'}.{c.name.rsplit('.', 1)[-1]} = "
-               "....float() after the O2 cast: ops read it in their own dtype), or accumulate in an FP32 copy")
+               f"....float() {cast}: ops read it in their own dtype), or accumulate in an FP32 copy")
     elif c.frozen:
         why = f"no FP32 master: a copy of the weights updated in place (EMA / momentum teacher) in {dtype}: {size}"
-        fix = (f"keep {c.owner or c.module or 'this module'} in float32 (.float() after the O2 cast; an EMA needs no "
+        fix = (f"keep {c.owner or c.module or 'this module'} in float32 (.float() {cast}; an EMA needs no "
                "low-precision copy), or give it an FP32 master and round into it after each update; Kahan "
                "summation or stochastic rounding also keep the small updates")
     else:

@@ -90,6 +90,8 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
               ("crossed_step", "passes", "absmax", "median", "min_abs")),
     EventKind("recipe_stats", 4, ("module", "recipe", "gemms", "sqnr_db", "input"), ("grad_output",)),
     EventKind("fallback", 4, ("module", "from", "to", "reason", "value", "limit", "why")),
+    EventKind("state_overflow", 4, ("tensor", "module", "kind", "dtype", "elements", "numel", "fp32_absmax",
+                                    "limit", "why", "fix"), ("source",)),
 )}
 
 

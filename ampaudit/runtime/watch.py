@@ -14,7 +14,10 @@ models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.r
 :mod:`ampaudit.runtime.grad_hist`) with them, ``nonfinite`` where inf/NaN first appears, ``divergence`` every
 ``divergence_every`` steps with ``decision`` (decision ops against FP32: :mod:`ampaudit.runtime.decision_record`),
 ``skip`` from :meth:`Watch.on_skipped_step`, ``precursor`` (instability precursors on the sampled passes:
-attention and output logits, massive activations; :mod:`ampaudit.runtime.precursors`) with the statistics.
+attention and output logits, massive activations; :mod:`ampaudit.runtime.precursors`) with the statistics,
+and, for a model holding low-precision state (``model.half()``), ``swamping`` and ``state_overflow`` on the
+sampled steps (:mod:`ampaudit.runtime.swamping`: in-place updates that round away, and state beyond its range,
+a BatchNorm running_var past fp16's 65504).
 Pass ``scaler=scaler`` (or call
 :meth:`Watch.set_loss_scale`) so the histograms know the loss scale in the gradients.
 
@@ -72,6 +75,9 @@ class Watch(PassHooks):
     ``precursors``: on the sampled passes also record the largest attention logit per module (softmax and
     scaled_dot_product_attention calls), the output logits' max and log-sum-exp, and on the counting pass each
     module's |output| max over its median (``precursor`` events per signal, module and interval).
+    ``swamping``: on the first step and one per ``every``, from that step's first forward to the next step's,
+    re-run in FP32 each in-place write into low-precision parameters and buffers (``swamping`` and
+    ``state_overflow`` events); nothing is entered for a model without low-precision state.
 
     Every divergence check compares each module's output to FP32 (scope ``global``). The two costlier
     scopes run on some checks only, counted in divergence checks (not steps), starting with the first
@@ -93,7 +99,7 @@ class Watch(PassHooks):
                  locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
                  grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
                  composite_divergence_every: int | None = 8, grad_hist: bool = True, scaler: Any = None,
-                 precursors: bool = True):
+                 precursors: bool = True, swamping: bool = True):
         if not isinstance(model, nn.Module):
             raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                              hint="pass the model (or its DDP wrapper) you train")
@@ -138,6 +144,12 @@ class Watch(PassHooks):
         self._decisions = (DecisionCheck(self.root, device_type=self.device_type)
                            if divergence_every is not None else None)
         self._log = EventLog(trace)
+        self._swamp, self._swamp_last = None, None
+        if stats and swamping:
+            from ampaudit.runtime.swamping import SwampMeter
+
+            self._swamp = SwampMeter(self.root, skip=lambda: self.replaying)
+        self._updates = self._measure_updates if self._swamp is not None else None
         self.events = self._log.events
         self._pass = PassState()
         # Across passes.
@@ -235,6 +247,7 @@ class Watch(PassHooks):
         try:
             if self._pass.open:
                 self._end_pass()
+            self._finish_updates()
             self.flush()
         finally:
             self.closed = True
@@ -243,6 +256,8 @@ class Watch(PassHooks):
             self._handles.clear()
             if self._prec is not None:
                 self._prec.abort()
+            if self._swamp is not None:
+                self._swamp.abort()
             self._schedule.close()
             self._pass = PassState()       # drops the last pass's inputs and gradients
             self._log.close()
@@ -264,6 +279,24 @@ class Watch(PassHooks):
     def divergence(self) -> list[dict]:
         """``divergence`` events so far, in order."""
         return [e for e in self.events if e["event"] == "divergence"]
+
+    def _measure_updates(self, step: int) -> None:
+        """A forward of ``step`` starts: the measured step before it is over (its optimizer has stepped), and a
+        sampled step (the first, one per ``every``) is measured from here."""
+        meter = self._swamp
+        if meter.active and meter.step != step:
+            self._finish_updates()
+        if not meter.active and step != self._swamp_last and (self._swamp_last is None or step % self.every == 0):
+            self._swamp_last = step
+            meter.begin(step)
+
+    def _finish_updates(self) -> None:
+        if self._swamp is None or not self._swamp.active:
+            return
+        for ev in self._swamp.finish():
+            self._emit("swamping", **ev)
+        for ev in self._swamp.overflows:
+            self._emit("state_overflow", **ev)
 
     def _emit(self, event: str, step: int | None = None, **fields: Any) -> None:
         self._log.emit(event, self.step if step is None else step, **fields)

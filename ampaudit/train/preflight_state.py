@@ -89,8 +89,9 @@ def updated_in_forward(model: nn.Module, batch: Any, *, dtype: torch.dtype,
 
 
 def check_updates(model: nn.Module, batch: Any, *, dtype: torch.dtype,
-                  mastered: Iterable[torch.Tensor] = ()) -> Check:
-    """``updates``: the tensors that change in place in low precision without an FP32 master."""
+                  mastered: Iterable[torch.Tensor] = (), o2: bool = True) -> Check:
+    """``updates``: the tensors that change in place in low precision without an FP32 master. ``o2``: the run
+    casts the model (opt level O2), which the fix names; else the model holds them so (FSDP's plain model)."""
     mastered = list(mastered)
     ids = {id(p) for p in mastered}
     stepped = [(n, "param", p) for n, p in model.named_parameters()
@@ -115,7 +116,8 @@ def check_updates(model: nn.Module, batch: Any, *, dtype: torch.dtype,
     return Check("updates", "warn", f"{len(found)} tensor(s) change during training in low precision without an "
                  f"FP32 master: {shown}{more}; an update smaller than half an ulp of the value ({half:.1e} of it in "
                  f"{name_of(first.dtype)}) rounds away",
-                 f"keep them in float32 after the O2 cast (e.g. model{'.' + module if module else ''}.float()), or "
+                 f"keep them in float32{' after the O2 cast' if o2 else ''} "
+                 f"(e.g. model{'.' + module if module else ''}.float()), or "
                  "give them an FP32 master; Kahan summation or stochastic rounding also keep small updates")
 
 
@@ -195,7 +197,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer | None, names: dict[i
 
 
 def check_updates_of(model: nn.Module, train_data: Callable[[], Iterable], *, dtype: torch.dtype,
-                     mastered: Iterable[torch.Tensor] = ()) -> Check:
+                     mastered: Iterable[torch.Tensor] = (), o2: bool = True) -> Check:
     """:func:`check_updates` on the first batch of ``train_data()`` (read with the RNG restored)."""
     from ampaudit.train.data import first_batch
 
@@ -203,14 +205,15 @@ def check_updates_of(model: nn.Module, train_data: Callable[[], Iterable], *, dt
     if batch is None:
         return Check("updates", "warn", "train_data() yielded no batch, so updates made in forward were not looked "
                      "for", "make it yield (inputs, target) pairs")
-    return check_updates(model, batch, dtype=dtype, mastered=mastered)
+    return check_updates(model, batch, dtype=dtype, mastered=mastered, o2=o2)
 
 
 def state_checks(model: nn.Module, train_data: Callable[[], Iterable] | None, *, dtype: torch.dtype,
                  mastered: Iterable[torch.Tensor] = (), optimizer: torch.optim.Optimizer | None = None,
-                 names: dict[int, str] | None = None) -> list[Check]:
+                 names: dict[int, str] | None = None, o2: bool = True) -> list[Check]:
     """Both checks (module docstring); without ``train_data`` the forward's updates are not looked for."""
-    checks = [check_updates_of(model, train_data, dtype=dtype, mastered=mastered)] if train_data is not None else []
+    checks = ([check_updates_of(model, train_data, dtype=dtype, mastered=mastered, o2=o2)]
+              if train_data is not None else [])
     return checks + [check_optimizer_state(optimizer, names)]
 
 
@@ -231,7 +234,7 @@ def planned_state_checks(model: nn.Module, *, dtype: torch.dtype, fsdp: bool, op
     opt = (optimizer if callable(optimizer) else torch.optim.AdamW)(targets) if targets else None
     names = {id(t): n for t, (n, p) in zip(targets, [(n, p) for n, p in model.named_parameters() if p.requires_grad])}
     return state_checks(model, as_factory(train_data) if train_data is not None else None, dtype=dtype,
-                        mastered=params if o2 else (), names=names,
+                        mastered=params if o2 else (), names=names, o2=o2,
                         optimizer=opt if isinstance(opt, torch.optim.Optimizer) else None)
 
 

@@ -65,7 +65,7 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
     device_type = device_type or model_device(model)
     twin, mastered = stored_copy(model, policy.low, opt_level)
     twin.train()
-    meter = SwampMeter(twin, mastered=mastered)
+    meter = SwampMeter(twin, mastered=mastered, o2=check_opt_level(opt_level) == "O2")
     worst: dict[str, dict] = {}
     rng, note = capture_rng(), None
     try:

@@ -157,7 +157,7 @@ class TrainerSetup:
         # shard: a dry forward of the plain model needs no collective). Warnings: the run is valid.
         self._state_preflight = cfg.preflight and (self.opt_level == "O2" or self.fsdp)
         if self._state_preflight:
-            self.preflight.append(check_updates_of(model, factory, dtype=self.dtype,
+            self.preflight.append(check_updates_of(model, factory, dtype=self.dtype, o2=self.opt_level == "O2",
                                                    mastered=[p for p in model.parameters() if p.requires_grad]))
         if cfg.sync_bn and self.dist.enabled:   # before the wrap: DDP / FSDP must see the modules they will run
             model = convert_for_ddp(model, self.device, divergence_every=cfg.divergence_every,

@@ -168,7 +168,8 @@ class Trainer(TrainerSetup, TrainerState):
                            append=resumed or self.step > 0, meta=self._trace_meta())
         # Swamping: the optimizer's states are measured too, and O2's masters hold their parameters' updates.
         self.session.measure_updates(optimizer=self.optimizer, names={id(t): n for n, t in self._named},
-                                     mastered=self.masters.mastered if self.masters is not None else [])
+                                     mastered=self.masters.mastered if self.masters is not None else [],
+                                     o2=self.opt_level == "O2")
         if self.preflight and not resumed:
             self.session.write("preflight", step=self.step, checks=[c.to_dict() for c in self.preflight])
         losses: list[float] = []

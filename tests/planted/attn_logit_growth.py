@@ -1,5 +1,5 @@
 """Attention-logit growth at a high learning rate: a two-layer decoder without qk-layernorm, trained in bf16 with
-AdamW at lr 0.2 (warmup 30 steps) on a Markov chain of 32 tokens (4 successors each: a loss floor of ln 4). The
+AdamW at lr 0.3 (warmup 30 steps) on a Markov chain of 32 tokens (4 successors each: a loss floor of ln 4). The
 largest pre-softmax logit grows from ~2 past 100 within ~20 steps and towards 1e3-1e4, and the loss then breaks
 away from its best value. The small-scale proxy of Wortsman et al. 2023 (arXiv 2309.14322: no qk-layernorm, high
 LR; the max attention logit grows, quality degrades from ~1e3, runs past ~1e4 diverge) and Dehghani et al. 2023
