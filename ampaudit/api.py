@@ -117,8 +117,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
 
     # Capturing runs the user's forward (fx's tracing and shape pass, export's, dispatch's recording) and
     # calibration runs it again: a module in training mode moves BatchNorm's running statistics, an EMA teacher
-    # updated in forward moves its weights. An audit changes nothing the user has: parameters, buffers, modes
-    # and requires_grad are put back as they were, whatever ran.
+    # updated in forward moves its weights, dropout draws from the global RNG. An audit changes nothing the user
+    # has: parameters, buffers, modes, requires_grad and the RNGs are put back as they were, whatever ran.
     restore = state_snapshot(model)
     try:
         cap = capture_any(model, args, kwargs, mode=capture_mode, policy=policy)

@@ -52,6 +52,33 @@ def planted():
     return get
 
 
+@pytest.fixture
+def installed_library(tmp_path, monkeypatch):
+    """``install(name, source)``: the module ``source`` imported from a folder counted as an installed package's,
+    under the standard library's folder as a pyenv's or a system Python's site-packages is (so is_user_file says
+    no, as it does for transformers there)."""
+    import ampaudit.user_code as user_code
+
+    folder = tmp_path / "site-packages"
+    folder.mkdir()
+    monkeypatch.setattr(user_code, "library_dirs", lambda: (str(folder.resolve()) + os.sep,))
+    monkeypatch.setattr(user_code, "_SKIP_DIRS", user_code._SKIP_DIRS + (str(folder.resolve()) + os.sep,))
+    caches = (user_code.is_user_file, user_code.is_library_file)
+    for cached in caches:
+        cached.cache_clear()
+
+    def install(name: str, source: str):
+        (folder / f"{name}.py").write_text(source)
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    yield install
+    for cached in caches:
+        cached.cache_clear()
+
+
 # torchrun's --standalone picks a free port; on a busy shared machine another process can take it first.
 PORT_TROUBLE = ("EADDRINUSE", "Address already in use", "RendezvousConnectionError", "RendezvousTimeoutError")
 

@@ -1,6 +1,7 @@
 """fx, torch.export and dispatch-level captures give the same findings on the same model."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,48 @@ def test_a_check_leaves_the_planted_ema_teacher_where_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ampaudit.check(model, *m.example_inputs(), device="cpu", dtype="bfloat16")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class DrawsFromEveryRng(nn.Module):
+    """Dropout (torch's generator), and a stochastic-depth coin from Python's ``random`` and NumPy's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        import numpy as np
+
+        keep = random.random() < 0.9 and np.random.rand() < 0.9
+        return self.drop(self.fc(x)) if keep else x
+
+
+@pytest.mark.parametrize("calibrate", [False, True], ids=["check", "calibrate"])
+@pytest.mark.parametrize("mode", ["fx", "dispatch"])
+def test_a_script_draws_the_same_numbers_after_a_check_as_without_it(mode, calibrate):
+    import numpy as np
+
+    model, x = DrawsFromEveryRng().train(), torch.randn(4, 8)
+
+    def draws():
+        return torch.rand(3), random.random(), float(np.random.rand())
+
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    without = draws()
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16", capture_mode=mode, calibrate=calibrate)
+    after = draws()
+    assert torch.equal(after[0], without[0]) and after[1:] == without[1:]
+
+
+def test_the_snapshot_puts_the_rngs_back_each_time_it_is_called():
+    from ampaudit.runtime.replay_state import state_snapshot
+
+    model = nn.Linear(2, 2)
+    torch.manual_seed(5), random.seed(5)
+    restore = state_snapshot(model)
+    first = torch.rand(2), random.random()
+    restore()
+    assert torch.equal(torch.rand(2), first[0]) and random.random() == first[1]
+    restore()
+    assert torch.equal(torch.rand(2), first[0])

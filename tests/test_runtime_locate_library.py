@@ -2,15 +2,12 @@
 transformers model's modeling file), never the line of the script that called the locator."""
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import os
 
 import pytest
 import torch
 from torch import nn
 
-import ampaudit.user_code as user_code
 from ampaudit.runtime.locate import replay
 
 LIBRARY = '''
@@ -40,22 +37,9 @@ def helper(x):
 
 
 @pytest.fixture
-def library(tmp_path, monkeypatch):
-    """A module in a folder counted as an installed package's, under the standard library's folder as a
-    pyenv's or a system Python's site-packages is (so is_user_file says no, as it does for transformers there)."""
-    folder = tmp_path / "site-packages"
-    folder.mkdir()
-    (folder / "tinylib.py").write_text(LIBRARY)
-    monkeypatch.setattr(user_code, "library_dirs", lambda: (str(folder.resolve()) + os.sep,))
-    monkeypatch.setattr(user_code, "_SKIP_DIRS", user_code._SKIP_DIRS + (str(folder.resolve()) + os.sep,))
-    for cached in (user_code.is_user_file, user_code.is_library_file):
-        cached.cache_clear()
-    spec = importlib.util.spec_from_file_location("tinylib", folder / "tinylib.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    for cached in (user_code.is_user_file, user_code.is_library_file):
-        cached.cache_clear()
+def library(installed_library):
+    """tinylib, installed as transformers is (conftest.installed_library)."""
+    return installed_library("tinylib", LIBRARY)
 
 
 def test_a_library_models_forward_origin_is_its_own_line(library):

@@ -38,7 +38,7 @@ from ampaudit.errors import AmpAuditError, InputError, UsageError
 from ampaudit.notes import note
 from ampaudit.precision import fp8
 from ampaudit.precision.recipes import Recipe, recipe, recipe_names
-from ampaudit.runtime.replay_state import capture_rng, preserved
+from ampaudit.runtime.replay_state import kept
 from ampaudit.runtime.trace import jsonable
 from ampaudit.wrappers import unwrap
 
@@ -354,8 +354,9 @@ def measure_layers(model: nn.Module, batches: Iterable[tuple], *, recipe: str = 
     results = {name: LayerMeasure(name, lin.in_features, lin.out_features) for name, lin in linears}
     ran: set[str] = set()
     count = 0
-    # BatchNorm statistics and the RNG (CPU, and the CUDA devices the model is on) as they were, whatever the mode.
-    with preserved(root, capture_rng(list(root.parameters()))):
+    # Parameters (an EMA teacher updated in forward), BatchNorm statistics, modes and the RNGs as they were,
+    # whatever the mode.
+    with kept(root):
         for batch in batches:
             count += 1
             calls = _record(root, linears, batch, loss_fn)

@@ -12,7 +12,9 @@ error power relative to the gradient's: independent layers' noises add, so the s
 predicts the model's gradient SQNR with all of them in float8 (``combined_sqnr``).
 
 The model is unchanged afterwards: gradients are taken with ``autograd.grad`` (no ``.grad`` is written), each
-swapped module is put back, and every run starts from the same RNG state (the same dropout masks).
+swapped module is put back, every run starts from the same state (parameters, BatchNorm statistics and modes a
+training-mode forward moves are put back between runs: :func:`ampaudit.runtime.replay_state.state_snapshot`) and
+the same RNG state (the same dropout masks).
 """
 from __future__ import annotations
 
@@ -24,15 +26,21 @@ from torch import nn
 
 from ampaudit.analysis.calibrate import batch_loss
 from ampaudit.planning.measure import error_metrics
+from ampaudit.runtime.replay_state import state_snapshot
 
 
-def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn, rng: torch.Tensor) -> torch.Tensor:
+def _grads(model: nn.Module, params: list[nn.Parameter], batch: tuple, loss_fn,
+           restore: Callable[[], None]) -> torch.Tensor:
+    """All of ``params``' gradients of one run; ``restore`` (a state snapshot) is called after it, so the next run
+    starts from the same parameters, buffers, modes and RNG state as this one."""
     args, kwargs = tuple(batch[0]), dict(batch[1])
     target = batch[2] if len(batch) > 2 else None
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        torch.set_rng_state(rng)
-        loss = batch_loss(loss_fn, target, proxy="sum")(model(*args, **kwargs))
-        grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+    try:
+        with torch.enable_grad():
+            loss = batch_loss(loss_fn, target, proxy="sum")(model(*args, **kwargs))
+            grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+    finally:
+        restore()
     return torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if g is None else g.detach().double().flatten()
                       for p, g in zip(params, grads)])
 
@@ -58,12 +66,12 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
         return emulate.recipe_linear(original, recipe_of(which), hp_grad_weight=hp)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    rng = torch.get_rng_state()
-    ref = _grads(model, params, batch, loss_fn, rng)
+    restore = state_snapshot(model)
+    ref = _grads(model, params, batch, loss_fn, restore)
     out: dict[str, dict[str, float]] = {}
     for name in names:
         if not name:                 # the model is the Linear itself: run its swapped form as the model
-            sqnr = error_metrics(ref, _grads(swapped(name, model), params, batch, loss_fn, rng))["sqnr_db"]
+            sqnr = error_metrics(ref, _grads(swapped(name, model), params, batch, loss_fn, restore))["sqnr_db"]
             out[name] = {"sqnr_db": sqnr, "noise": _noise(sqnr)}
             continue
         parent_name, _, attr = name.rpartition(".")
@@ -72,11 +80,11 @@ def model_sensitivity(model: nn.Module, batch: tuple, names: Iterable[str], *, r
         # Shares the Parameters: nothing is copied, and the gradients line up with the reference's.
         setattr(parent, attr, swapped(name, original))
         try:
-            sqnr = error_metrics(ref, _grads(model, params, batch, loss_fn, rng))["sqnr_db"]
+            sqnr = error_metrics(ref, _grads(model, params, batch, loss_fn, restore))["sqnr_db"]
         finally:
             setattr(parent, attr, original)
         out[name] = {"sqnr_db": sqnr, "noise": _noise(sqnr)}
-    return out                      # the RNG state is rng again: each _grads ran in its own fork_rng
+    return out                      # the model and the RNGs are as before: each _grads put them back
 
 
 def _noise(sqnr: float) -> float:

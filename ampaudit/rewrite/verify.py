@@ -5,14 +5,14 @@
 
 Relative error is max |y - y_fp32| / max |y_fp32| over each floating output (the error against the output's
 scale; elementwise ratios explode near zero). The autocast forwards run under the target
-(:func:`ampaudit.simulate.target_autocast`: a CUDA target's policy is simulated on a CPU). Every forward runs under ``torch.no_grad()`` with the same RNG
-seed, and buffers (BatchNorm running statistics) are restored afterwards, so verifying changes nothing.
+(:func:`ampaudit.simulate.target_autocast`: a CUDA target's policy is simulated on a CPU). Every forward runs under
+``torch.no_grad()`` with the same RNG seed, from the state both models had before the first
+(:func:`ampaudit.runtime.replay_state.state_snapshot`: parameters, buffers, modes, the RNGs), and that state is put
+back afterwards, so verifying changes nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from ampaudit.dtypes import name_of
 from ampaudit.policy import Policy
+from ampaudit.runtime.replay_state import state_snapshot
 from ampaudit.simulate import simulated, target_autocast
 
 # FP32 outputs may differ by this much (relative) where the rewrite had to change op order (padded K dims).
@@ -93,20 +94,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-@contextlib.contextmanager
-def preserved(*models: nn.Module) -> Iterator[None]:
-    """Restore every buffer of ``models`` and the RNG state on exit."""
-    saved = [[(b, b.detach().clone()) for b in m.buffers()] for m in models]
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for pairs in saved:
-                    for buf, value in pairs:
-                        buf.copy_(value)
-
-
 def run(model: nn.Module, args: tuple, kwargs: dict, *, device_type: str | None = None,
         policy: Policy | None = None) -> Any:
     """One seeded forward without grad; under ``policy``'s autocast (on ``device_type`` tensors) when given."""
@@ -158,11 +145,18 @@ def verify_outputs(original: nn.Module, fixed: nn.Module, args: tuple, kwargs: d
                    policy: Policy) -> Verification:
     """Compare ``fixed`` with ``original`` in FP32, and both under ``policy``'s autocast against FP32
     (``device_type``: where the models' tensors are)."""
-    with preserved(original, fixed):
+    # A forward that writes state (an EMA teacher, BatchNorm statistics) would start the next one elsewhere.
+    restore = state_snapshot(original, fixed)
+    try:
         ref = run(original, args, kwargs)
+        restore()
         out = run(fixed, args, kwargs)
+        restore()
         before = _amp_run(original, args, kwargs, ref, device_type, policy)
+        restore()
         after = _amp_run(fixed, args, kwargs, ref, device_type, policy)
+    finally:
+        restore()
     max_abs, max_rel, _ = compare(out, ref)
     return Verification(device_type=device_type, dtype=name_of(policy.low), fp32_max_abs=max_abs,
                         fp32_max_rel=max_rel, fp32_bitwise=_bitwise(out, ref), before=before, after=after,

@@ -8,7 +8,8 @@
 Two forwards of the model, under no_grad, with the same inputs and RNG state (buffers put back): one under
 ``torch.autocast(device_type, dtype)`` and one in IEEE FP32. A :class:`DecisionRecorder` (a ``TorchDispatchMode``)
 sees every aten op of both; the decision ops (:mod:`ampaudit.runtime.decisions`, on floating inputs only) are
-keyed by (module whose own forward runs the op, op, source line) and numbered per key, and call *i* of the FP32
+keyed by (module whose own forward runs the op, op, source line: the model's code,
+:func:`~ampaudit.runtime.module_stack.model_location`) and numbered per key, and call *i* of the FP32
 run is compared with call *i* of the autocast run (:func:`~ampaudit.runtime.decisions.flips`). The FP32 forward
 is skipped when the autocast one made no decision: a model without decision ops costs one forward.
 
@@ -96,7 +97,9 @@ class DecisionRecorder(TorchDispatchMode):
         choice = decision_of(kind, name, bound, out)
         if choice is None:
             return out
-        key = (self.tracker.current, name, user_source(sys._getframe(1)))
+        # The model's line, not the caller's: frames from measure_decisions outward (check, the user's script)
+        # are not the model's code, which a library model (transformers under site-packages) would fall back to.
+        key = (self.tracker.current, name, user_source(sys._getframe(1), stop=measure_decisions.__code__))
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         if self.phase == "low":

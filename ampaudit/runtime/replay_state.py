@@ -3,7 +3,9 @@
     with preserved(model, capture_rng(float_tensors(x))):   # buffers (BatchNorm stats) and RNG restored
         model(x)
     restore = buffer_snapshot(model); ...; restore()
-    restore = state_snapshot(model); ...; restore()            # parameters too, modes, requires_grad
+    restore = state_snapshot(model); ...; restore()            # parameters too, modes, requires_grad, RNG
+    with kept(original, fixed):                             # the same, around a block, for several models
+    with rng_kept():                                        # only the global RNGs (torch, CUDA, random, NumPy)
     model_device(model)                                     # "cpu": where its parameters live
 
 Every replay of ampaudit (the non-finite locator, the divergence probe, decisions, calibration, fix
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -47,23 +51,25 @@ def buffer_snapshot(root: nn.Module) -> Callable[[], None]:
     return restore
 
 
-def state_snapshot(root: nn.Module) -> Callable[[], None]:
-    """A copy of everything ``root`` holds: each parameter and buffer (values and the tensor object under its
-    name), each parameter's ``requires_grad`` and ``.grad`` object, and each module's training mode. Call the
-    result to put it all back, bit for bit.
+def state_snapshot(*roots: nn.Module) -> Callable[[], None]:
+    """A copy of everything ``roots`` hold: each parameter and buffer (values and the tensor object under its
+    name), each parameter's ``requires_grad`` and ``.grad`` object, each module's training mode, and the global
+    RNGs (:func:`rng_snapshot`). Call the result to put it all back, bit for bit (as often as needed).
 
     Only tensors whose bits changed are written back, so a tensor user code did not touch keeps its version
     counter (autograd graphs the caller holds stay valid). The version counter cannot tell which ones changed by
     itself: ``p.data.mul_(m)``, the usual EMA update, writes through a tensor with a counter of its own. Meta
     tensors hold no values and are only put back under their names."""
     slots = []
-    for mod in root.modules():
+    modules = [mod for root in roots for mod in root.modules()]
+    for mod in modules:
         for table in (mod._parameters, mod._buffers):
             for key, t in table.items():
                 if t is not None:
                     value = None if t.is_meta else t.detach().clone()
                     slots.append((table, key, t, value, t.requires_grad, t.grad if t.is_leaf else None))
-    modes = [(mod, mod.training) for mod in root.modules()]
+    modes = [(mod, mod.training) for mod in modules]
+    restore_rng = rng_snapshot()
 
     def restore() -> None:
         with torch.no_grad():
@@ -78,7 +84,50 @@ def state_snapshot(root: nn.Module) -> Callable[[], None]:
                         t.grad = grad
         for mod, training in modes:
             mod.training = training
+        restore_rng()
     return restore
+
+
+@contextlib.contextmanager
+def kept(*roots: nn.Module) -> Iterator[None]:
+    """Inside, anything may run ``roots``' forwards (in training mode, writing their state, drawing dropout
+    masks); outside, ``roots`` and the global RNGs are as before (:func:`state_snapshot`)."""
+    restore = state_snapshot(*roots)
+    try:
+        yield
+    finally:
+        restore()
+
+
+def rng_snapshot() -> Callable[[], None]:
+    """The global RNG states a forward, a loss or a data loader may draw from: torch's CPU generator, each CUDA
+    device's once CUDA is initialised, Python's ``random`` and, once something imported it, NumPy's. Call the
+    result to put them back. (ampaudit draws only from torch's; the user's code run by a command may draw from
+    any.)"""
+    cpu, py = torch.get_rng_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu)
+        random.setstate(py)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if np_state is not None:
+            numpy.random.set_state(np_state)
+    return restore
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """The global RNGs as they were on exit (:func:`rng_snapshot`); also a decorator (``@rng_kept()``) for a
+    command that builds a model or draws inputs from its own file."""
+    restore = rng_snapshot()
+    try:
+        yield
+    finally:
+        restore()
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ampaudit.findings import SEVERITY_RANK
+from ampaudit.runtime.replay_state import rng_kept
 from ampaudit.sourcefix.driver import MODULE_KIND, Plan, named_rules, plan_edits, source_fix_of, wanted
 from ampaudit.sourcefix.verify import Mirror, SourceVerification, audit_with, load_mirror, verify_sources
 
@@ -122,6 +123,7 @@ def _rel(path: str, base: Path) -> str:
         return path
 
 
+@rng_kept()      # loading the file builds the model and draws its inputs: a script's RNG must not notice
 def fix_source(target: str, *, entry: str | None = None, inputs: Sequence[str] | None = None, device: str = "cuda",
                dtype: str = "float16", select: Sequence[str] | None = None, ignore: Sequence[str] | None = None,
                rules_dirs: Sequence[str] = (), calibrate: bool = False, unsafe: bool = False,

@@ -276,10 +276,10 @@ def _library_instead(f: Finding, kind: str, capture: str) -> str:
 
 def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -> dict:
     """Which forward arguments of the modules at ``paths`` are floating tensors, from one FP32 run of the
-    example inputs the audit used (buffers and RNG restored)."""
+    example inputs the audit used (the model's state and the RNGs put back)."""
     import inspect
 
-    from ampaudit.rewrite.verify import preserved
+    from ampaudit.runtime.replay_state import kept
     from ampaudit.sourcefix.fixers_block import ModuleInputs
 
     found: dict[str, ModuleInputs] = {}
@@ -304,7 +304,7 @@ def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with preserved(model), torch.no_grad():
+        with kept(model), torch.no_grad():
             model(*args, **kwargs)
     except Exception:  # the probe is best effort: a fixer without it refuses and says why
         pass
