@@ -88,6 +88,8 @@ class PassHooks:
     _prec: PrecursorMeter | None     # instability precursors, on sampled passes (None: off)
     _fslot: dict
     _bslot: dict
+    _stat_modules: list[nn.Module]   # every module but the root: statistics hooks on sampled passes only
+    _module_handles: list            # their handles while a sampled pass is open
     _schedule: DivergenceSchedule
     _decisions: DecisionCheck | None     # decision flips against FP32, on the divergence checks
     _updates: Callable[[int], None] | None   # a step starts: the swamping meter's turn (None: off)
@@ -136,6 +138,7 @@ class PassHooks:
         if self.stats and self._passes % self.stats_every == 0:
             p.sample, p.full = True, self._counts_due
             self._counts_due = False
+            self._install_module_hooks()
             if self._prec is not None:
                 self._prec.begin_pass(step)
         dt = self.device_type
@@ -148,6 +151,19 @@ class PassHooks:
         every = self.divergence_every
         if every is not None and step % every == 0 and amp[0]:
             p.probe = self._schedule.begin(step, *amp)
+
+    def _install_module_hooks(self) -> None:
+        # Only a sampled pass has the statistics hooks on the modules below the root: a module with a hook
+        # takes nn.Module's slow call path, which unsampled passes (7 in 8 by default) would pay for nothing.
+        # They come off when the pass ends (_end_pass), so a recompute during its backward is seen as before.
+        if not self._module_handles:
+            hook = self._on_module_output
+            self._module_handles = [mod.register_forward_hook(hook) for mod in self._stat_modules]
+
+    def _remove_module_hooks(self) -> None:
+        handles, self._module_handles = self._module_handles, []
+        for h in handles:
+            h.remove()
 
     def _on_module_output(self, mod: nn.Module, args: Any, out: Any) -> None:
         p = self._pass
@@ -252,6 +268,8 @@ class PassHooks:
             return
         p.open = False
         self._passes += 1
+        if self._module_handles:
+            self._remove_module_hooks()
         # A pass can end after the loop moved on (a forward that raised ends at the next forward): its
         # events carry the step of its own forward.
         now, self.step = self.step, p.step if p.step is not None else self.step

@@ -165,6 +165,8 @@ class Watch(PassHooks):
         self._replayed_interval: int | None = None
         self._pending_error: NonFiniteError | None = None
         self._handles: list[Any] = []
+        self._stat_modules = [m for m in self._names if m is not self.root]
+        self._module_handles: list[Any] = []     # the statistics hooks of the sampled pass now open
         self.set_hooks(True)
         if self._log.writes_meta:
             self._log.emit_record(trace_meta(
@@ -178,6 +180,7 @@ class Watch(PassHooks):
         """Attach (``on``) or detach every module hook; the statistics so far are kept. Passes run while
         detached are not seen at all (a compiled model's: its graph must not trace the hooks)."""
         if not on or self.closed:
+            self._remove_module_hooks()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -186,9 +189,12 @@ class Watch(PassHooks):
             return
         self._handles.append(self.root.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
         if self.stats:
-            for mod in self._names:
-                self._handles.append(mod.register_forward_hook(self._on_module_output))
+            # The root's own statistics hook stays (the root's hooks run on every pass anyway); the other
+            # modules get theirs only for a sampled pass (PassHooks._install_module_hooks).
+            self._handles.append(self.root.register_forward_hook(self._on_module_output))
         self._handles.append(self.root.register_forward_hook(self._on_forward_end))
+        if self._pass.open and self._pass.sample:      # re-attached inside a sampled pass
+            self._install_module_hooks()
 
     def set_step(self, step: int) -> None:
         """Number the following forwards/backwards ``step`` (else each forward counts as one step)."""
@@ -251,6 +257,7 @@ class Watch(PassHooks):
             self.flush()
         finally:
             self.closed = True
+            self._remove_module_hooks()
             for h in self._handles:
                 h.remove()
             self._handles.clear()

@@ -1,0 +1,90 @@
+"""ampaudit.watch's per-module statistics hooks are on the modules for the sampled passes only: on every one of
+them (no sampled pass missed) and on no other (none left behind on an unsampled pass)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ampaudit.runtime.watch import watch
+
+
+class Spy(nn.Module):
+    """A linear layer that records, in its own forward, whether a forward hook is on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.hooked: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hooked.append(bool(self._forward_hooks) and bool(self.fc._forward_hooks))
+        return torch.relu(self.fc(x))
+
+
+def build() -> tuple[nn.Module, Spy]:
+    torch.manual_seed(0)
+    spy = Spy()
+    return nn.Sequential(nn.Linear(4, 4), spy, nn.Linear(4, 1)), spy
+
+
+def below_root_hooked(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if name and m._forward_hooks]
+
+
+def test_hooks_are_on_every_sampled_pass_and_gone_after_each_pass():
+    model, spy = build()
+    with watch(model, every=9, stats_every=3, locate_first=False, dtype=torch.bfloat16) as w:
+        for step in range(9):
+            w.set_step(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(2, 4))
+            out.float().sum().backward()
+            assert below_root_hooked(model) == [], f"step {step}: a statistics hook outlived its pass"
+        w.flush()
+    assert spy.hooked == [step % 3 == 0 for step in range(9)]
+    stats = {(e["module"], e["phase"]): e for e in w.events if e["event"] == "stats"}
+    for module in ("0", "1", "1.fc", "2"):
+        for phase in ("forward", "backward"):
+            assert stats[(module, phase)]["passes"] == 3, (module, phase)          # passes 0, 3 and 6
+            assert stats[(module, phase)]["counted_passes"] == 1, (module, phase)  # the first sampled pass
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_a_sampled_forward_without_backward_takes_its_hooks_off_when_it_returns():
+    model, spy = build()
+    with watch(model, every=4, stats_every=2, locate_first=False) as w:
+        for step in range(4):
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+            assert below_root_hooked(model) == []
+        w.flush()
+    assert spy.hooked == [True, False, True, False]
+    stats = {(e["module"], e["phase"]): e for e in w.events if e["event"] == "stats"}
+    assert stats[("1.fc", "forward")]["passes"] == 2
+
+
+def test_detaching_inside_a_sampled_pass_and_attaching_again_restores_its_hooks():
+    model, spy = build()
+    w = watch(model, every=2, stats_every=1, locate_first=False)
+    out = model(torch.randn(2, 4))
+    assert below_root_hooked(model) == ["0", "1", "1.fc", "2"]      # the pass is open: its backward is due
+    w.set_hooks(False)
+    assert all(not m._forward_hooks for m in model.modules())
+    w.set_hooks(True)
+    assert below_root_hooked(model) == ["0", "1", "1.fc", "2"]
+    out.sum().backward()
+    assert below_root_hooked(model) == []
+    w.close()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    stats = {(e["module"], e["phase"]): e for e in w.events if e["event"] == "stats"}
+    assert stats[("1.fc", "backward")]["passes"] == 1
+
+
+def test_close_takes_off_the_hooks_of_a_sampled_forward_that_raised():
+    model, _ = build()
+    w = watch(model, stats_every=1, locate_first=False, max_replays=0)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))                       # wrong width: the first Linear raises
+    w.close()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
