@@ -56,6 +56,22 @@ from ampaudit.runtime.trace_schema import meta as trace_meta
 __all__ = ["NonFiniteError", "Watch", "watch"]
 
 
+def _refuse_bad_options(model: Any, dtype: Any, max_replays: Any, **every_options: Any) -> None:
+    """Raise :class:`UsageError` for a watch() argument it cannot run with (``every_options``: the ``*every``
+    and ``max_events`` counts by name)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
+                         hint="pass the model (or its DDP wrapper) you train")
+    for name, value in every_options.items():
+        check_every(name, value, optional=name not in ("every", "stats_every", "max_events"))
+    if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 0:
+        raise UsageError(f"watch(): max_replays must be an integer >= 0, got {max_replays!r}",
+                         hint="0 turns the locator replays off")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise UsageError(f"watch(): dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}",
+                         hint="pass the dtype autocast lowers to")
+
+
 class Watch(PassHooks):
     """Runtime hooks on ``model`` (plain, DDP or DataParallel); use as a context manager or call :meth:`close`.
 
@@ -100,22 +116,11 @@ class Watch(PassHooks):
                  grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
                  composite_divergence_every: int | None = 8, grad_hist: bool = True, scaler: Any = None,
                  precursors: bool = True, swamping: bool = True):
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
-                             hint="pass the model (or its DDP wrapper) you train")
-        for name, value, optional in (("every", every, False), ("stats_every", stats_every, False),
-                                      ("max_events", max_events, False),
-                                      ("divergence_every", divergence_every, True),
-                                      ("grad_divergence_every", grad_divergence_every, True),
-                                      ("local_divergence_every", local_divergence_every, True),
-                                      ("composite_divergence_every", composite_divergence_every, True)):
-            check_every(name, value, optional=optional)
-        if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 0:
-            raise UsageError(f"watch(): max_replays must be an integer >= 0, got {max_replays!r}",
-                             hint="0 turns the locator replays off")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise UsageError(f"watch(): dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype}",
-                             hint="pass the dtype autocast lowers to")
+        _refuse_bad_options(model, dtype, max_replays, every=every, stats_every=stats_every,
+                            max_events=max_events, divergence_every=divergence_every,
+                            grad_divergence_every=grad_divergence_every,
+                            local_divergence_every=local_divergence_every,
+                            composite_divergence_every=composite_divergence_every)
         # Options.
         self.model, self.root, self.dtype = model, unwrap(model), dtype
         self.every, self.divergence_every, self.stats_every = every, divergence_every, stats_every
