@@ -119,7 +119,7 @@ def test_the_html_report_shows_the_overflow():
     pytest.importorskip("plotly")
     from ampaudit.report.html import build_html
 
-    events = [{"event": "meta", "version": 4, "dtype": "float16"}, {"event": "step", "step": 0, "loss": 1.0},
+    events = [{"event": "meta", "version": 5, "dtype": "float16"}, {"event": "step", "step": 0, "loss": 1.0},
               {"event": "state_overflow", "step": 0, "tensor": "bn.running_var", "module": "bn", "kind": "buffer",
                "dtype": "float16", "elements": 16, "numel": 16, "fp32_absmax": 1.0e5, "limit": 65504.0,
                "why": "beyond float16", "fix": "keep BatchNorm in float32"}]

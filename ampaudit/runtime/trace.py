@@ -8,7 +8,7 @@ line so a killed run leaves a readable file; the reader tolerates a truncated or
                  time=0.05)
     events, problems = read_trace("run.jsonl")
 
-The contract (event kinds, their fields, versions 1-4 and how readers take older traces) is docs/trace.md; the
+The contract (event kinds, their fields, versions 1-5 and how readers take older traces) is docs/trace.md; the
 kinds and fields are :data:`ampaudit.runtime.trace_schema.KINDS`, whose constructor builds every event of a
 known kind written here. A kind the schema does not know (a caller's own, on a shared writer) is written as given.
 """

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# The newest version ampaudit writes and reads (it reads 1 and 2 too); a newer trace is read as far as it is known.
-TRACE_VERSION = 4
+# The newest version ampaudit writes and reads (it reads every older one too); a newer trace is read as far as it is known.
+TRACE_VERSION = 5
 # Every event has these two keys besides its fields: its kind and the training step (null when none).
 ENVELOPE = ("event", "step")
 
@@ -90,7 +90,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
               ("crossed_step", "passes", "absmax", "median", "min_abs")),
     EventKind("recipe_stats", 4, ("module", "recipe", "gemms", "sqnr_db", "input"), ("grad_output",)),
     EventKind("fallback", 4, ("module", "from", "to", "reason", "value", "limit", "why")),
-    EventKind("state_overflow", 4, ("tensor", "module", "kind", "dtype", "elements", "numel", "fp32_absmax",
+    EventKind("state_overflow", 5, ("tensor", "module", "kind", "dtype", "elements", "numel", "fp32_absmax",
                                     "limit", "why", "fix"), ("source",)),
 )}
 
