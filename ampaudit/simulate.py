@@ -28,14 +28,14 @@ CPU lacks a few float16 kernels that CUDA has (torch's "not implemented for 'Hal
 a primitive descriptor" for nn.LSTM: :mod:`ampaudit.machine.kernels`). Under the simulation such an op is computed
 in fp32 and rounded to the low dtype, and a note says which op (:func:`ampaudit.notes.note`, and ``sim.notes``).
 A CPU target uses none of this: there the forward stops at the op, and calibration notes that this machine lacks
-the kernel (another CPU may have it).
+the kernel (another CPU may have it). The registrations are process-wide while active: do not run other
+CPU-autocast work on another thread meanwhile.
 
 Some CPU half kernels exist but are slow reference kernels: fp16 ``convolution_backward`` (every conv's
-backward) runs 14-170x slower than fp32 where the fp16 forward is oneDNN's and fast. CUDA's kernel (cuDNN)
+backward) runs 5-300x slower than fp32 where the fp16 forward is oneDNN's and fast. CUDA's kernel (cuDNN)
 reads the half inputs, accumulates in fp32 and rounds its outputs to half, so under the simulation the ops
 rules/policy/kernels.toml lists in ``simulated_in_fp32`` are computed exactly so: fp32 on the half inputs, each
-output rounded once, without a note (nothing is approximated). A CPU target keeps CPU's own kernels. The registrations are process-wide while active: do not run other
-CPU-autocast work on another thread meanwhile.
+output rounded once, without a note (nothing is approximated). A CPU target keeps CPU's own kernels.
 """
 from __future__ import annotations
 
