@@ -4,6 +4,9 @@ bfloat16 over float32, on this CPU, and the fp16 backward under the CUDA simulat
 
     OMP_NUM_THREADS=1 python bench/half_kernel_speed.py          # one line per op: ratios to fp32
     OMP_NUM_THREADS=1 python bench/half_kernel_speed.py --reps 5
+    OMP_NUM_THREADS=1 .venv-bench/bin/python bench/half_kernel_speed.py --model torchvision-video/swin3d_t
+        # one forward + backward of a coverage model (bench/coverage_models.py), fp32 then simulated fp16
+    ... --model torchvision-flow/raft_small --cpu-half-kernels    # the same with CPU's fp16 conv backward
 
 Times are the best of ``--reps`` after one warm-up, taken in turn in the same process, so only the ratios are
 meant to be compared (the machine may be shared).
@@ -62,10 +65,47 @@ def timings(fn, x_shape, w_shape, kw, dtype, reps: int, simulate: bool = False) 
         return fwd, max(best(backward, reps) - fwd, 0.0)
 
 
+def model_pass(family_name: str) -> None:
+    """Seconds of one forward + backward (of the mean of the last output) of a coverage model in fp32, then under
+    the CUDA fp16 simulation, and how many ops the simulation computed in fp32."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from coverage_tvops import import_torchvision
+    import_torchvision()
+    from coverage_models import build
+
+    family, _, name = family_name.partition("/")
+    built = build({"family": family, "name": name}, "cpu")
+    params = [p for p in built.model.parameters() if p.requires_grad]
+
+    def run():
+        out = built.model(*built.args, **built.kwargs)
+        out = out[-1] if isinstance(out, (list, tuple)) else out
+        torch.autograd.grad(out.float().mean(), params, allow_unused=True)
+
+    start = time.perf_counter()
+    run()
+    fp32 = time.perf_counter() - start
+    with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
+        start = time.perf_counter()
+        run()
+        low = time.perf_counter() - start
+    print(f"{family_name}: fp32 {fp32:.1f} s, simulated fp16 {low:.1f} s (x{low / fp32:.2f}); in fp32: {sim.in_fp32}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--model", default=None, help="FAMILY/NAME of bench/coverage_models.py: time that model instead")
+    p.add_argument("--cpu-half-kernels", action="store_true",
+                   help="the simulation without kernels.toml's simulated_in_fp32 (CPU's half kernels): the before")
     args = p.parse_args()
+    if args.cpu_half_kernels:
+        from ampaudit.policy import kernels
+        kernels()["simulated_in_fp32"].clear()
+    if args.model:
+        return model_pass(args.model)
     print(f"{'op':18s} {'fp32 fwd/bwd ms':>16s}  {'fp16 fwd':>8s} {'fp16 bwd':>8s}  {'bf16 fwd':>8s} {'bf16 bwd':>8s}"
           f"  {'sim fp16 bwd':>12s}")
     for name, fn, xs, ws, kw in CASES:
