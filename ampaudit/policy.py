@@ -54,10 +54,13 @@ def precursors() -> dict:
 
 @lru_cache(maxsize=None)
 def kernels() -> dict:
-    """rules/policy/kernels.toml: what the kernels do with fp16/bf16 tensors (hazard per op, see the file)."""
+    """rules/policy/kernels.toml: what the kernels do with fp16/bf16 tensors (hazard per op, see the file), and
+    ``simulated_in_fp32``: ``{aten op: frozenset of dtype names}`` the CUDA simulation computes in fp32."""
     data = read_toml(rules_dir() / "policy" / "kernels.toml")
     hazard = {op: name for name, ops in data.get("hazard", {}).items() for op in ops}
-    return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", []))}
+    in_fp32 = data.get("simulated_in_fp32", {})
+    return {"hazard": hazard, "wide_range": frozenset(data.get("wide_range", {}).get("dtypes", [])),
+            "simulated_in_fp32": {op: frozenset(in_fp32.get("dtypes", [])) for op in in_fp32.get("ops", [])}}
 
 
 def divergence_thresholds(dtype: torch.dtype | str | None) -> tuple[float, float]:

@@ -30,6 +30,12 @@ in fp32 and rounded to the low dtype, and a note says which op (:func:`ampaudit.
 A CPU target uses none of this: there the forward stops at the op, and calibration notes that this machine lacks
 the kernel (another CPU may have it). The registrations are process-wide while active: do not run other
 CPU-autocast work on another thread meanwhile.
+
+Some CPU half kernels exist but are slow reference kernels: fp16 ``convolution_backward`` (every conv's
+backward) runs 5-300x slower than fp32 where the fp16 forward is oneDNN's and fast. CUDA's kernel (cuDNN)
+reads the half inputs, accumulates in fp32 and rounds its outputs to half, so under the simulation the ops
+rules/policy/kernels.toml lists in ``simulated_in_fp32`` are computed exactly so: fp32 on the half inputs, each
+output rounded once, without a note (nothing is approximated). A CPU target keeps CPU's own kernels.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from ampaudit.dtypes import is_half, name_of
 from ampaudit.machine.kernels import kernel_gap
 from ampaudit.notes import note
-from ampaudit.policy import Policy, op_names
+from ampaudit.policy import Policy, kernels, op_names
 from ampaudit.quiet import quiet
 
 _KEY = "AutocastCPU"
@@ -170,14 +176,21 @@ _NO_LOW_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'")
 
 class _EmulateLowKernels(TorchDispatchMode):
     """Ops without a CPU kernel for the low dtype run in fp32, their outputs rounded to the dtype they would
-    have had; each such op is noted once."""
+    have had; each such op is noted once. The ops of rules/policy/kernels.toml's ``simulated_in_fp32`` run so
+    too, on inputs of its dtypes and without a note: that is the CUDA kernel's own arithmetic, where this
+    CPU's half kernel is a slow reference one (fp16 convolution_backward); ``in_fp32`` counts them per op."""
 
-    def __init__(self, notes: list[str]):
+    def __init__(self, notes: list[str], in_fp32: dict[str, int]):
         super().__init__()
         self.notes = notes
+        self.in_fp32 = in_fp32
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _cuda_arithmetic(func, args, kwargs):
+            name = func.overloadpacket.__name__
+            self.in_fp32[name] = self.in_fp32.get(name, 0) + 1
+            return _in_fp32(func, args, kwargs)
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
@@ -189,44 +202,62 @@ class _EmulateLowKernels(TorchDispatchMode):
         # "Half" as torch words it; oneDNN names no dtype (nn.LSTM's mkldnn_rnn_layer): the inputs' is meant.
         lacks = (f"CPU has no {missing.group(1)} kernel" if missing
                  else f"this CPU's {gap.library} has no {gap.dtype} kernel")
-        want = _output_dtypes(func, args, kwargs)
-        originals: dict[int, torch.Tensor] = {}
-
-        def up(t):
-            if isinstance(t, torch.Tensor) and is_half(t.dtype):
-                u = t.float()
-                originals[id(u)] = t
-                return u
-            return t
-
-        up_args, up_kwargs = tree_map(up, (args, kwargs))
-        out = func(*up_args, **up_kwargs)
-        # In-place and out= ops wrote into the fp32 copies: write back into the caller's tensors.
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            value = up_args[i] if i < len(up_args) and not a.kwarg_only else up_kwargs.get(a.name)
-            for t in tree_leaves(value):
-                if isinstance(t, torch.Tensor) and id(t) in originals:
-                    originals[id(t)].copy_(t)
-        flat, spec = tree_flatten(out)
         low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and is_half(t.dtype)),
                    torch.float32)
-        for i, t in enumerate(flat):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if id(t) in originals:
-                flat[i] = originals[id(t)]
-            elif want and want[i] is not None and want[i] != t.dtype:
-                flat[i] = t.to(want[i])            # float16, or complex32 (polar)
-            elif not want and t.dtype == torch.float32 and is_half(low):
-                flat[i] = t.to(low)
+        out = _in_fp32(func, args, kwargs)
         message = (f"CUDA simulation: {lacks} for {func.overloadpacket}; it ran in float32, rounded to "
                    f"{name_of(low)}")
         if message not in self.notes:
             self.notes.append(message)
         note(message)
-        return tree_unflatten(flat, spec)
+        return out
+
+
+def _cuda_arithmetic(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` is one of kernels.toml's ``simulated_in_fp32`` ops and every floating tensor it is given
+    has one of its dtypes (mixed dtypes go to the real kernel, which refuses them as CUDA's does)."""
+    dtypes = kernels()["simulated_in_fp32"].get(func.overloadpacket.__name__)
+    if not dtypes:
+        return False
+    floating = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return bool(floating) and all(name_of(d) in dtypes for d in floating)
+
+
+def _in_fp32(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``func`` run on fp32 copies of its half inputs, each output rounded to the dtype it would have had; what
+    an in-place or out= op wrote into a copy is written back into the caller's tensor."""
+    want = _output_dtypes(func, args, kwargs)
+    originals: dict[int, torch.Tensor] = {}
+
+    def up(t):
+        if isinstance(t, torch.Tensor) and is_half(t.dtype):
+            u = t.float()
+            originals[id(u)] = t
+            return u
+        return t
+
+    up_args, up_kwargs = tree_map(up, (args, kwargs))
+    out = func(*up_args, **up_kwargs)
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = up_args[i] if i < len(up_args) and not a.kwarg_only else up_kwargs.get(a.name)
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor) and id(t) in originals:
+                originals[id(t)].copy_(t)
+    flat, spec = tree_flatten(out)
+    low = next((t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and is_half(t.dtype)),
+               torch.float32)
+    for i, t in enumerate(flat):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if id(t) in originals:
+            flat[i] = originals[id(t)]
+        elif want and want[i] is not None and want[i] != t.dtype:
+            flat[i] = t.to(want[i])            # float16, or complex32 (polar)
+        elif not want and t.dtype == torch.float32 and is_half(low):
+            flat[i] = t.to(low)
+    return tree_unflatten(flat, spec)
 
 
 def _output_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list | None:
@@ -241,7 +272,8 @@ def _output_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> li
 
 class PolicyUpcast:
     """While entered (inside ``torch.autocast("cpu", dtype=policy.low)``), CPU autocast follows ``policy``'s
-    device instead of CPU's; see the module docstring. ``notes`` lists what was approximated.
+    device instead of CPU's; see the module docstring. ``notes`` lists what was approximated; ``in_fp32`` counts,
+    per aten op, the calls computed in fp32 as CUDA's kernel computes them (``{"convolution_backward": 12}``).
 
     ``PolicyUpcast.entered`` counts the simulated regions this process entered (tests read it to check that a
     stage ran under the simulation); ``PolicyUpcast.active`` is the one entered now, if any."""
@@ -252,6 +284,7 @@ class PolicyUpcast:
     def __init__(self, policy: Policy):
         self.policy = policy
         self.notes: list[str] = []
+        self.in_fp32: dict[str, int] = {}
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> "PolicyUpcast":
@@ -260,7 +293,7 @@ class PolicyUpcast:
             # Nested (a stage run inside another's simulation): the kernels are registered already.
             if PolicyUpcast.active.policy != self.policy:
                 raise RuntimeError("a simulation of another policy is active")
-            self.notes = PolicyUpcast.active.notes
+            self.notes, self.in_fp32 = PolicyUpcast.active.notes, PolicyUpcast.active.in_fp32
             return self
         with contextlib.ExitStack() as stack:
             stack.enter_context(quiet())    # torch warns (once) that a kernel is overridden, and more inside
@@ -271,7 +304,7 @@ class PolicyUpcast:
                 # it below autocast: a composite (conv2d.padding) must still meet autocast in the ops it calls.
                 kernel = torch.library.fallthrough_kernel if how is None else _kernel(_overload(op), how)
                 lib.impl(op.split("::", 1)[1], kernel, _KEY)
-            stack.enter_context(_EmulateLowKernels(self.notes))
+            stack.enter_context(_EmulateLowKernels(self.notes, self.in_fp32))
             self._stack = stack.pop_all()
         PolicyUpcast.active = self
         return self

@@ -87,7 +87,7 @@ def capture_table(rows: list[dict]) -> list[list[str]]:
 
 PRECISION = ("sensitive-op", "normalization", "constant")   # bench/accuracy.py's: false alarms on these models
 TIMING_COLUMNS = ("family", "audited", "median check s", "worst check s", "median x export", "worst x export",
-                  "precision alarms", "calibrated")
+                  "precision alarms", "calibrated", "median / worst calibrate s")
 
 
 def bare_ratio(row: dict) -> float | None:
@@ -106,7 +106,8 @@ def precision_alarms(row: dict, stage: str = "check") -> int:
 
 def timing_table(rows: list[dict]) -> list[list[str]]:
     """Per family: audited of eager-ok, median and worst check seconds and as a ratio to the bare capture,
-    precision-family warnings and errors (static, then calibrated), and how many calibrations completed."""
+    precision-family warnings and errors (static, then calibrated), how many calibrations completed and their
+    median and worst seconds (check --calibrate, whole)."""
     lines = []
     groups = [(f, [r for r in rows if r["family"] == f]) for f in FAMILIES]
     for name, group in [g for g in groups if g[1]] + [("all", rows)]:
@@ -117,11 +118,13 @@ def timing_table(rows: list[dict]) -> list[list[str]]:
         tried = [r for r in group if r["eager"] and r.get("calibrate") is not None]
         static_alarms = sum(precision_alarms(r) for r in done)
         cal_alarms = sum(precision_alarms(r, "calibrate") for r in calibrated)
+        cal_secs = sorted(r["seconds"]["calibrate"] for r in calibrated if "calibrate" in r["seconds"])
         lines.append([name, _pct(*share(group, "ampaudit")),
                       f"{statistics.median(secs):.2f}" if secs else "-", f"{secs[-1]:.2f}" if secs else "-",
                       f"{statistics.median(ratios):.2f}" if ratios else "-", f"{ratios[-1]:.2f}" if ratios else "-",
                       f"{static_alarms}" + (f" / {cal_alarms}" if tried else ""),
-                      f"{len(calibrated)}/{len(tried)}" if tried else "-"])
+                      f"{len(calibrated)}/{len(tried)}" if tried else "-",
+                      f"{statistics.median(cal_secs):.1f} / {cal_secs[-1]:.1f}" if cal_secs else "-"])
     return lines
 
 

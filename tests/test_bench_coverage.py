@@ -149,6 +149,7 @@ def _timed(family, model, capture, check, export, calibrate=None, counts=None, e
         row["calibrate"] = calibrate
         if calibrate:
             row["detail"]["calibrate"] = {"counts": {}}
+            row["seconds"]["calibrate"] = 3.0 * check
     return row
 
 
@@ -162,7 +163,7 @@ def test_timing_table_ratios_are_against_plain_export_and_alarms_count_only_prec
     assert [cov.bare_ratio(r) for r in rows] == [2.0, 3.0, None]
     assert cov.precision_alarms(rows[0]) == 2
     line = {l[0]: l for l in cov.timing_table(rows)}["diffusers"]
-    assert line == ["diffusers", "100.0% (3/3)", "6.00", "9.00", "2.50", "3.00", "2 / 0", "1/2"]
+    assert line == ["diffusers", "100.0% (3/3)", "6.00", "9.00", "2.50", "3.00", "2 / 0", "1/2", "6.0 / 6.0"]
 
 
 def test_build_failures_group_by_reason_without_the_model_specific_parts():

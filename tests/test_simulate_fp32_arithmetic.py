@@ -1,0 +1,89 @@
+"""The CUDA simulation computes fp16 convolution_backward as CUDA's kernel does (fp32 on the half inputs, each
+output rounded to half: rules/policy/kernels.toml ``simulated_in_fp32``), not with CPU's slow half kernel; the
+results are the half kernel's within one rounding, and a CPU target keeps CPU's kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampaudit.policy import Policy, kernels
+from ampaudit.simulate import target_autocast
+
+EPS16 = torch.finfo(torch.float16).eps
+ATOL = 1e-4     # of the largest magnitude: fp32 summation order (cancellation near 0); 1e-5 passes here
+
+# (conv, input shape, weight shape): one of each kind a model reaches convolution_backward through; 6 output
+# channels each (a transposed conv's weight is in x out).
+CONVS = {
+    "conv1d": (F.conv1d, (2, 8, 20), (6, 8, 3)),
+    "conv2d": (F.conv2d, (2, 8, 10, 10), (6, 8, 3, 3)),
+    "conv3d": (F.conv3d, (1, 8, 4, 8, 8), (6, 8, 3, 3, 3)),
+    "conv_transpose3d": (F.conv_transpose3d, (1, 8, 3, 5, 5), (8, 6, 3, 3, 3)),
+}
+
+
+def _inputs(x_shape, w_shape, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(x_shape).to(dtype).requires_grad_()
+    w = (torch.randn(w_shape) * 0.2).to(dtype).requires_grad_()
+    b = torch.randn(6).to(dtype).requires_grad_()
+    return x, w, b
+
+
+def _grads(conv, x, w, b):
+    out = conv(x, w, b)
+    # The same upstream gradient whatever the dtype: fp16-representable values.
+    upstream = torch.linspace(-1, 1, out.numel()).reshape(out.shape).half().to(out.dtype)
+    return (out, *torch.autograd.grad(out, (x, w, b), upstream))
+
+
+@pytest.mark.parametrize("name", list(CONVS))
+def test_fp16_conv_backward_is_cudas_arithmetic_and_the_half_kernels_within_a_rounding(name):
+    conv, xs, ws = CONVS[name]
+    x, w, b = _inputs(xs, ws, torch.float16)
+    with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
+        simulated = _grads(conv, x, w, b)
+    assert sim.in_fp32.get("convolution_backward", 0) >= 1           # the fast path was taken
+    assert "convolution" not in sim.in_fp32                          # the forward keeps CPU's (fast) half kernel
+    assert all(t.dtype == torch.float16 for t in simulated)
+    # CUDA's arithmetic: fp32 on the half-rounded inputs, each result rounded once to half.
+    up = [t.detach().float().requires_grad_() for t in (x, w, b)]
+    cuda = [t.half() for t in _grads(conv, *up)]
+    for got, want in zip(simulated[1:], cuda[1:]):
+        assert torch.equal(got, want)
+    # CPU's half kernel (also fp32-accumulating): the same within one fp16 rounding, plus fp32 summation order.
+    half = _grads(conv, x, w, b)
+    for got, want in zip(simulated, half):
+        got, want = got.detach().float(), want.detach().float()
+        torch.testing.assert_close(got, want, rtol=EPS16, atol=ATOL * float(want.abs().max()))
+
+
+def test_bfloat16_and_cpu_targets_keep_cpus_kernels():
+    conv, xs, ws = CONVS["conv2d"]
+    x, w, b = _inputs(xs, ws, torch.bfloat16)
+    with target_autocast(Policy.load("cuda", "bfloat16"), "cpu") as sim:
+        _grads(conv, x, w, b)
+    assert sim.in_fp32 == {}                   # not listed for bf16: CPU's bf16 kernels are fast
+    x, w, b = _inputs(xs, ws, torch.float16)
+    with target_autocast(Policy.load("cpu", "float16"), "cpu") as sim:
+        on_cpu = _grads(conv, x, w, b)
+    assert sim is None                         # no simulation: CPU's own half kernels ran
+    for got, want in zip(on_cpu, _grads(conv, x, w, b)):
+        assert torch.equal(got, want)
+
+
+def test_mixed_dtypes_go_to_the_real_kernel():
+    grad, x, w = torch.randn(1, 4, 6, 6).half(), torch.randn(1, 3, 8, 8).half(), torch.randn(4, 3, 3, 3)
+    with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
+        torch.ops.aten.convolution_backward(grad, x, w, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                            [True, True, True])
+    assert sim.in_fp32 == {}
+
+
+def test_the_table_names_aten_ops_and_half_dtypes():
+    table = kernels()["simulated_in_fp32"]
+    assert table, "kernels.toml [simulated_in_fp32] lists no op"
+    for op, dtypes in table.items():
+        assert hasattr(torch.ops.aten, op), op
+        assert dtypes and dtypes <= {"float16", "bfloat16"}, (op, dtypes)
