@@ -126,3 +126,45 @@ def test_probe_signature_tells_shapes_and_scalars_apart():
     assert mixed_dtypes._signature(node, (a, object()), {}) is None   # a value it cannot compare: not memoised
     user = graph.call_function(lambda t: t, (x,))
     assert mixed_dtypes._signature(user, (a,), {}) is None        # the user's own function: never memoised
+
+
+class MaskedSums(nn.Module):
+    """Six boolean-mask selections: six data-dependent sizes, none guarded on, so torch.export follows them all
+    (fx cannot: the loop runs over a shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.stack([h[h[:, i] > 0].sum(0) for i in range(h.shape[1] - 2)]).softmax(-1)
+
+
+def test_export_that_keeps_making_data_dependent_sizes_gives_way_to_dispatch(monkeypatch):
+    import ampaudit.capture as capture
+
+    monkeypatch.setattr(capture, "export_unbacked_limit", lambda: 4)
+    calls = _count_exports(monkeypatch)
+    report = ampaudit.check(MaskedSums(), torch.randn(16, 8), device="cpu", dtype="bfloat16")
+    assert report.capture == "dispatch"
+    assert calls == [torch.bfloat16]           # not retried in fp32: the sizes do not depend on the dtypes
+    assert any("export was not used" in n and "stopped after 4 data-dependent sizes" in n for n in report.notes)
+    assert {f.module for f in report.findings if f.rule == "AMP201"}
+    # Asked for by name, export has no fallback to give way to: it runs to the end.
+    assert ampaudit.check(MaskedSums(), torch.randn(16, 8), device="cpu", dtype="bfloat16",
+                          capture_mode="export").capture == "export"
+
+
+def test_export_budget_leaves_the_shape_env_as_it_was():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    before = ShapeEnv.create_unbacked_symint
+    try:
+        with export_capture._unbacked_budget(0):
+            ShapeEnv().create_unbacked_symint()
+    except export_capture.TooDataDependent as exc:
+        assert export_capture.data_dependent(exc)
+    else:
+        raise AssertionError("a budget of 0 let an unbacked size through")
+    assert ShapeEnv.create_unbacked_symint is before

@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ampaudit.graph_meta import SourceLoc, example_of, module_of, source_of
+from ampaudit.analysis.meta_memo import MetaMemo
 from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, real_error, run_promoted
 from ampaudit.capture.opaque import NOTHING_INSIDE, inline_call, plain, record_call, user_function
 from ampaudit.dtypes import by_name
@@ -115,6 +116,8 @@ class AmpProp(fx.Interpreter):
         self.specialize = specialize
         self.notes: list[str] = []               # what propagation could not look into
         self.probe_memo: dict = {}              # op signature -> the mixed-dtype probe's verdict
+        self._device: torch.device | None = None
+        self._memo: MetaMemo | None = None        # while a meta-device graph propagates
 
     # -- entry point -----------------------------------------------------------------------------------------
     def propagate(self, *args, **kwargs) -> fx.GraphModule:
@@ -125,8 +128,12 @@ class AmpProp(fx.Interpreter):
         if device.type == "meta":
             # Weights already hold no data: plain meta tensors propagate shapes ~3x faster than fake tensors.
             meta_args = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, bound)
-            with torch.no_grad():
-                self.run(*meta_args)
+            self._memo = MetaMemo()
+            try:
+                with torch.no_grad():
+                    self.run(*meta_args)
+            finally:
+                self._memo = None
             return self.module
 
         def to_fake(x):
@@ -140,12 +147,16 @@ class AmpProp(fx.Interpreter):
         return self.module
 
     def _param_device(self) -> torch.device:
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        # A model built under `with torch.device("meta")` can still hold a CPU tensor (torch.Tensor(n) ignores the
-        # device context; wav2vec2's masked_spec_embed is one): its meta weights have no data to copy, so meta wins.
-        if any(t.is_meta for t in tensors):
-            return torch.device("meta")
-        return tensors[0].device if tensors else torch.device("cpu")
+        # Asked for each node whose recorded output is used: walking every weight each time was a tenth of a
+        # detection model's check, and the weights do not move while the graph propagates.
+        if self._device is None:
+            tensors = list(self.module.parameters()) + list(self.module.buffers())
+            # A model built under `with torch.device("meta")` can still hold a CPU tensor (torch.Tensor(n) ignores
+            # the device context; wav2vec2's masked_spec_embed is one): its meta weights have no data to copy, so
+            # meta wins.
+            self._device = torch.device("meta") if any(t.is_meta for t in tensors) else \
+                tensors[0].device if tensors else torch.device("cpu")
+        return self._device
 
     def _bind(self, placeholders: list[fx.Node], args: tuple, kwargs: dict) -> list:
         values = list(args)
@@ -299,6 +310,8 @@ class AmpProp(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if user_function(target):      # the user's own Python: give it the plain lists it is written for
             args, kwargs = plain((args, kwargs))
+        if self._memo is not None:
+            return self._memo.call(target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
     def _track_autocast(self, n: fx.Node) -> None:

@@ -16,7 +16,7 @@ from ampaudit.capture.export_capture import capture_export
 from ampaudit.capture.fx_capture import Capture, capture
 from ampaudit.graph_meta import SourceLoc
 from ampaudit.errors import CaptureError, UsageError
-from ampaudit.policy import Policy
+from ampaudit.policy import Policy, settings
 from ampaudit.quiet import quiet
 
 MODES = ("auto", "fx", "export", "dispatch")
@@ -24,16 +24,24 @@ MODES = ("auto", "fx", "export", "dispatch")
 __all__ = ["Capture", "SourceLoc", "capture", "capture_any", "capture_export", "capture_dispatch", "MODES"]
 
 
+def export_unbacked_limit() -> int:
+    """How many data-dependent sizes an export attempt may make before the dispatch capture takes over
+    (rules/policy/settings.toml [capture])."""
+    return int(settings()["capture"]["export_unbacked_limit"])
+
+
 def capture_any(model: nn.Module, args: tuple, kwargs: dict, *, mode: str = "auto",
                 policy: Policy | None = None) -> Capture:
     """Capture ``model`` with ``mode``, or (``auto``) with the first of fx, export, dispatch that succeeds.
     Export and dispatch run the forward under ``policy``'s autocast (:func:`ampaudit.simulate.target_autocast`)
-    when given."""
+    when given. In ``auto`` an export that keeps making data-dependent sizes (:func:`export_unbacked_limit`) is
+    given up for the dispatch capture; ``mode="export"`` exports to the end."""
     if mode not in MODES:
         raise UsageError(f"unknown capture mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
     attempts = {
         "fx": lambda: capture(model),
-        "export": lambda: capture_export(model, args, kwargs, policy=policy),
+        "export": lambda: capture_export(model, args, kwargs, policy=policy,
+                                         unbacked_limit=export_unbacked_limit() if mode == "auto" else None),
         "dispatch": lambda: capture_dispatch(model, args, kwargs, policy=policy),
     }
     order = list(attempts) if mode == "auto" else [mode]

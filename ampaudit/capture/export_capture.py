@@ -68,10 +68,46 @@ def _quiet():
         logging.disable(previous)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None):
+class TooDataDependent(RuntimeError):
+    """An export attempt stopped after creating more data-dependent sizes than ``unbacked_limit`` allows."""
+
+
+@contextlib.contextmanager
+def _unbacked_budget(limit: int | None):
+    """Stop an export once it has made more than ``limit`` data-dependent (unbacked) sizes: each later op on them
+    costs tens of milliseconds of symbolic reasoning, and a forward that keeps making them is a detection head
+    (SSD: one per class, then a guard on their sum that fails, after 10 s). None: no limit."""
+    if limit is None:
+        yield
+        return
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    names = ("create_unbacked_symint", "create_unbacked_symfloat", "create_unbacked_symbool")
+    real = {name: getattr(ShapeEnv, name) for name in names}
+    made = [0]
+
+    def counted(name):
+        def create(self, *args, **kwargs):
+            made[0] += 1
+            if made[0] > limit:
+                raise TooDataDependent(f"stopped after {limit} data-dependent sizes (outputs whose size depends on "
+                                       "tensor values, as nonzero and boolean masks give)")
+            return real[name](self, *args, **kwargs)
+        return create
+
+    for name in names:
+        setattr(ShapeEnv, name, counted(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(ShapeEnv, name, real[name])
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None, unbacked_limit: int | None = None):
     from ampaudit.capture.opaque import export_anchors
 
-    with _quiet(), export_anchors():
+    with _quiet(), export_anchors(), _unbacked_budget(unbacked_limit):
         return _export_loud(model, args, kwargs, policy)
 
 
@@ -142,7 +178,8 @@ def data_dependent(exc: BaseException) -> bool:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException,
+             TooDataDependent)
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:     # export re-raises some of them ``from`` the guard's error
         if isinstance(exc, kinds):
@@ -152,8 +189,12 @@ def data_dependent(exc: BaseException) -> bool:
     return False
 
 
-def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None) -> Capture:
+def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None,
+                   unbacked_limit: int | None = None) -> Capture:
     """torch.export.export(strict=False), unlifted so parameters are get_attr nodes with their original names.
+
+    ``unbacked_limit``: give up (CaptureError) once the export has made more data-dependent sizes than this;
+    :func:`ampaudit.capture.capture_any` sets it when the dispatch capture follows (None: export to the end).
 
     Exporting under ``policy``'s autocast (:func:`ampaudit.simulate.target_autocast`) bakes ``.to(x.dtype)`` as
     the dtype x has under the target's autocast (an fp32 export would bake fp32); the graph's ops are still the
@@ -161,11 +202,11 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Polic
     """
     try:
         try:
-            ep = _export(model, args, kwargs, policy)
+            ep = _export(model, args, kwargs, policy, unbacked_limit)
         except Exception as first:
             if policy is None or data_dependent(first):
                 raise
-            ep = _export(model, args, kwargs, None)
+            ep = _export(model, args, kwargs, None, unbacked_limit)
         gm = ep.module()
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200]
