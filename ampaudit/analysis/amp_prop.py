@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,9 +30,10 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ampaudit.graph_meta import SourceLoc, example_of, module_of, source_of
+from ampaudit.graph_meta import SourceLoc, module_of, source_of
 from ampaudit.analysis.meta_memo import MetaMemo
-from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, real_error, run_promoted
+from ampaudit.analysis.prop_fallbacks import raise_if_real_kernel_raises, recorded_output, reshaped_view
+from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, run_promoted
 from ampaudit.capture.opaque import NOTHING_INSIDE, inline_call, plain, record_call, user_function
 from ampaudit.dtypes import by_name
 from ampaudit.errors import InputError
@@ -121,7 +121,7 @@ class AmpProp(fx.Interpreter):
 
     # -- entry point -----------------------------------------------------------------------------------------
     def propagate(self, *args, **kwargs) -> fx.GraphModule:
-        device = self._param_device()
+        device = self.param_device()
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         bound = self._bind(placeholders, args, kwargs)
 
@@ -146,7 +146,7 @@ class AmpProp(fx.Interpreter):
             self.run(*fake_args)
         return self.module
 
-    def _param_device(self) -> torch.device:
+    def param_device(self) -> torch.device:
         # Asked for each node whose recorded output is used: walking every weight each time was a tenth of a
         # detection model's check, and the weights do not move while the graph propagates.
         if self._device is None:
@@ -184,15 +184,15 @@ class AmpProp(fx.Interpreter):
         try:
             result = super().run_node(n)
         except Exception as exc:  # an op without a fake kernel: shapes downstream are unknown, dtypes still flow
-            result = self._recorded(n)
+            result = recorded_output(self, n)
             if result is None:
-                result = self._reshaped(n, exc)
+                result = reshaped_view(self, n, exc)
             if result is None and n.op != "placeholder" and not isinstance(exc, _NO_KERNEL):
                 # The model mixes dtypes itself (x.half() meets an fp32 weight), as only autocast lets it run:
                 # shapes go on from the promoted inputs; whether the target's autocast runs it is judged below.
                 result = run_promoted(self, n)
                 if result is None:
-                    self._raise_if_real_kernel_raises(n, op)
+                    raise_if_real_kernel_raises(self, n, op)
             if result is None:
                 info.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                 self.unknown.append(n)
@@ -209,57 +209,6 @@ class AmpProp(fx.Interpreter):
         if result is None and info.error:
             raise _Unknown(n)
         return result
-
-    def _reshaped(self, n: fx.Node, exc: Exception) -> Any:
-        """A ``view`` the strides of this run refuse, run as ``reshape`` (same shape). A meta-built model is
-        exported on CPU stand-ins (:func:`ampaudit.capture.export_capture._export_meta`) and propagated on meta,
-        whose kernels (attention) lay outputs out differently; the ``.contiguous()`` that was a no-op in the
-        export is not in the graph."""
-        if n.target is not torch.ops.aten.view.default or "view size is not compatible" not in str(exc):
-            return None
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        try:
-            return torch.ops.aten.reshape.default(*args, **kwargs)
-        except Exception:
-            return None
-
-    def _raise_if_real_kernel_raises(self, n: fx.Node, op: str) -> None:
-        """Rerun ``n`` for real on zeros of its inputs' shapes; if the real kernel raises too, the inputs do not fit.
-
-        A fake kernel may raise where the real one would not (``.numpy()`` on a fake tensor); only an op whose
-        real kernel rejects those shapes and dtypes is the user's error.
-        """
-        if self.autocast_stack:
-            # An export graph's autocast regions (wrap_with_autocast) hold dtypes baked under autocast: rerun
-            # alone, outside that autocast, their ops mismatch dtypes the real forward never sees.
-            return
-        with fake_tensor.unset_fake_temporarily():
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-        exc = real_error(self, n, args, kwargs)
-        if exc is not None:
-            loc = source_of(n)
-            where = f" ({Path(loc.file).name}:{loc.line})" if loc else ""
-            raise InputError(f"example inputs do not fit the forward: {op}{where}: "
-                             f"{' '.join(str(exc).split())[:240]}",
-                             hint="fix example_inputs() or --input to match what the model expects") from exc
-
-    def _recorded(self, n: fx.Node) -> Any:
-        """The output a dispatch capture recorded for ``n`` (meta tensors), as this run's kind of tensor."""
-        example = example_of(n)
-        if example is None:
-            return None
-        device = self._param_device()
-        if device.type == "meta":
-            return example
-
-        def convert(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                real = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            return self.fake_mode.from_tensor(real)
-
-        return tree_map(convert, example)
 
     def run(self, *args, **kwargs):
         # Like Interpreter.run, but a node without a fake kernel only blanks the nodes that depend on it.

@@ -113,7 +113,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None, 
 
 def _export_loud(model: nn.Module, args: tuple, kwargs: dict, policy: Policy | None):
     tensors = [*model.parameters(), *model.buffers()]
-    if policy is not None and any(t.is_meta for t in tensors):    # meta wins, as in AmpProp._param_device
+    if policy is not None and any(t.is_meta for t in tensors):    # meta wins, as in AmpProp.param_device
         return _export_meta(model, args, kwargs, policy)
     device_type = tensors[0].device.type if tensors else "cpu"
     if policy is None or device_type not in ("cpu", "cuda"):
