@@ -9,7 +9,10 @@ outputs are non-finite while all its inputs were finite is an *origin* (``cause=
 inf/NaN along are ignored, so the first event is the culprit even when the inf stays inside a module whose
 output is finite. Non-finite values that enter from outside the computation are reported once, with
 ``cause`` "parameter", "buffer" or "input". An op that raises (fp16 cannot hold a constant) gives
-``kind="error"`` with the message, instead of a crash.
+``kind="error"`` with the message, instead of a crash. A mask's "minus infinity" is no fault: a factory that makes
+-inf, or a cast that turns only its input dtype's lowest value into -inf (a ``finfo(float32).min`` mask that
+autocast's sdpa casts to fp16), and the ops that pass that -inf along are no origin; a NaN it makes (a fully masked
+softmax row) is one.
 
 Attribution: a stack of module forward hooks names the innermost module whose own forward runs the op.
 For backward ops, each autograd node is mapped to the module that was innermost when the node was created:
