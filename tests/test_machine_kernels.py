@@ -32,6 +32,9 @@ ONEDNN = MESSAGE.format("forward")
     ("index_add_(): self (Half) and source (Float) must have the same scalar type", None),
     ("expected scalar type BFloat16 but found Float", None),
     ("value cannot be converted to type at::Half without overflow", None),
+    ("Unsupported dtype Half", KernelGap("", "float16", "FFT", on_gpu="cuFFT computes float16 FFTs of power-of-two "
+                                                                        "sizes only")),
+    ("Unsupported dtype BFloat16", None),     # cuFFT has no bfloat16 either: a finding on the GPU target too
 ])
 def test_a_missing_kernel_is_told_from_a_kernel_that_refuses_its_inputs(message, gap):
     assert kernel_gap(RuntimeError(message), torch.float16) == gap
@@ -159,3 +162,19 @@ def test_evaluation_blames_the_machine_not_the_data():
         evaluator.run(sample.build_model(), 1)
     assert str(info.value.message).startswith("this CPU's oneDNN has no float16 LSTM kernel, so float16 autocast")
     assert "eval batch 0" in info.value.message and info.value.hint == "train with --dtype bfloat16 here"
+
+
+def test_an_fft_under_cpu_float16_is_a_machine_gap_not_a_raising_forward():
+    """FNet's token mixing (torch.fft.fftn of the hidden states) raised AMP602 on CPU for a cuda float16 target."""
+
+    class FourierMix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.fft.fftn(self.proj(x), dim=(-1, -2)).real
+
+    report = ampaudit.check(FourierMix(), torch.randn(2, 4, 8), calibrate=True, device="cuda", dtype="float16")
+    assert [f.rule for f in report.findings if f.rule == "AMP602"] == []
+    assert any("no float16 FFT kernel" in n and "power-of-two" in n for n in report.notes)

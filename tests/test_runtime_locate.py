@@ -90,3 +90,45 @@ def test_deliberate_inf_constants_are_not_origins():
             return torch.where(x > 0, x, neg_inf).clamp(min=-1.0)
 
     assert locate_nonfinite(Masked(), (torch.randn(4, 8),)) == []
+
+
+class FloatMaskAttention(nn.Module):
+    """doge's dynamic-mask attention in small: an fp32 additive mask of float32's min, which autocast's sdpa (or
+    an explicit cast) turns into -inf in the low dtype: still the same mask, unless a row is fully masked."""
+
+    def __init__(self, d: int = 16, masked_rows: int = 0, explicit: bool = False):
+        super().__init__()
+        self.qkv, self.masked_rows, self.explicit = nn.Linear(d, 3 * d), masked_rows, explicit
+
+    def forward(self, x):
+        t = x.shape[1]
+        keep = torch.ones(t, t, dtype=torch.bool).tril()
+        keep[: self.masked_rows] = False
+        mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(~keep, torch.finfo(x.dtype).min)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, -1)
+        if not self.explicit:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = q @ k.transpose(-2, -1)
+        return torch.softmax(scores + mask.to(scores.dtype), -1) @ v
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_float32_min_mask_cast_to_low_precision_is_no_origin(explicit):
+    events = locate_nonfinite(FloatMaskAttention(explicit=explicit), (torch.randn(1, 8, 16),), {},
+                              device_type="cpu", dtype=torch.bfloat16)
+    assert events == []
+
+
+def test_fully_masked_row_of_a_cast_mask_is_reported_where_the_nan_appears():
+    events = locate_nonfinite(FloatMaskAttention(masked_rows=2, explicit=True), (torch.randn(1, 8, 16),), {},
+                              device_type="cpu", dtype=torch.bfloat16)
+    assert [(e["op"], e["kind"]) for e in events][:1] == [("aten._softmax", "nan")]
+
+
+def test_a_cast_that_overflows_an_ordinary_value_is_still_an_origin():
+    class Cast(nn.Module):
+        def forward(self, x):
+            return (x + 3.0e38).to(torch.float16)      # finite in fp32, above fp16's max: a real overflow
+
+    events = locate_nonfinite(Cast(), (torch.ones(4),), {}, device_type="cpu", dtype=torch.bfloat16)
+    assert [(e["op"], e["kind"]) for e in events] == [("aten._to_copy", "inf")]

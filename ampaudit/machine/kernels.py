@@ -33,6 +33,10 @@ FORCE_ENV = "AMPAUDIT_FORCE_NO_FP16_KERNELS"
 # How a missing kernel words itself. oneDNN names the primitive; torch's dispatch stubs name the dtype.
 _ONEDNN = re.compile(r"could not create a primitive descriptor(?: for (?:the |an? )?(?P<op>\w+))?", re.IGNORECASE)
 _NOT_IMPLEMENTED = re.compile(r"\"?(?P<op>\w+)\"? not implemented for '(?P<dtype>Half|BFloat16)'")
+# torch's CPU FFT (pocketfft, MKL) has no float16: "Unsupported dtype Half". CUDA's cuFFT has one, for power-of-two
+# sizes only; it has no bfloat16 (the same message on CUDA), so a bfloat16 FFT stays a finding.
+_FFT_HALF = re.compile(r"(?:^|: )Unsupported dtype Half$")
+_FFT_ON_GPU = "cuFFT computes float16 FFTs of power-of-two sizes only"
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class KernelGap:
     library: str
     dtype: str
     op: str
+    on_gpu: str = ""      # what the kernel does on a GPU target, where that is not simply "unaffected"
 
     def kernel(self) -> str:
         """ "float16 LSTM kernel" """
@@ -63,7 +68,8 @@ class KernelGap:
         if target_device is None:
             return text
         if target_device != "cpu":
-            return f"{text}; the {target_device} target is unaffected"
+            return f"{text}; on {target_device}, {self.on_gpu}" if self.on_gpu else \
+                f"{text}; the {target_device} target is unaffected"
         other = {"float16": "bfloat16", "bfloat16": "float16"}.get(self.dtype)
         instead = f"use --dtype {other}" if other else "use another --dtype"
         if self.library:
@@ -82,6 +88,8 @@ def kernel_gap(error: BaseException | str | None, dtype: torch.dtype | str | Non
     m = _NOT_IMPLEMENTED.search(text)
     if m:
         return KernelGap("", CPP_NAMES[m["dtype"]], m["op"])
+    if _FFT_HALF.search(text.strip()):
+        return KernelGap("", "float16", "FFT", on_gpu=_FFT_ON_GPU)
     return None
 
 

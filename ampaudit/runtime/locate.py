@@ -9,7 +9,10 @@ outputs are non-finite while all its inputs were finite is an *origin* (``cause=
 inf/NaN along are ignored, so the first event is the culprit even when the inf stays inside a module whose
 output is finite. Non-finite values that enter from outside the computation are reported once, with
 ``cause`` "parameter", "buffer" or "input". An op that raises (fp16 cannot hold a constant) gives
-``kind="error"`` with the message, instead of a crash.
+``kind="error"`` with the message, instead of a crash. A mask's "minus infinity" is no fault: a factory that makes
+-inf, or a cast that turns only its input dtype's lowest value into -inf (a ``finfo(float32).min`` mask that
+autocast's sdpa casts to fp16), and the ops that pass that -inf along are no origin; a NaN it makes (a fully masked
+softmax row) is one.
 
 Attribution: a stack of module forward hooks names the innermost module whose own forward runs the op; its
 line is the innermost frame of the model's code (:func:`~ampaudit.runtime.module_stack.model_location`: the
@@ -28,6 +31,7 @@ import contextlib
 import sys
 import traceback
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -42,10 +46,24 @@ from ampaudit.wrappers import unwrap
 
 # Ops whose outputs are uninitialised memory: garbage there is not an overflow.
 _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "resize_")
+# Casts whose inf may be a mask's sentinel carried over to a narrower dtype (see _saturated_cast).
+_CASTS = ("_to_copy", "to", "_to_dtype", "convert_element_type")
 
 
 def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.numel() and not _finite(t)]
+
+
+def _saturated_cast(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+    """True when a dtype cast turned only its input dtype's own lowest value (``finfo(float32).min``, the "minus
+    infinity" of a dtype-aware attention mask) into -inf: the mask means the same in the narrower dtype."""
+    if func.overloadpacket.__name__ not in _CASTS or len(inputs) != 1 or not inputs[0].numel():
+        return False
+    src, out = inputs[0], outputs[0]
+    if src.shape != out.shape or not torch.isfinite(src).all():
+        return False
+    moved = ~torch.isfinite(out)
+    return bool((src[moved] == torch.finfo(src.dtype).min).all())
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -71,6 +89,13 @@ class NonFiniteLocator(TorchDispatchMode):
         self.phase = "forward"
         self._seen: set[tuple] = set()
         self._outside_reported: set[str] = set()
+        # Tensors whose only non-finite values are a mask's -inf sentinel (a saturated cast and what it flows
+        # into): ops passing it along are no origin, while a NaN it makes (a fully masked softmax row) is one.
+        self._sentinels: dict[int, weakref.ref] = {}
+
+    def _is_sentinel(self, t: torch.Tensor) -> bool:
+        ref = self._sentinels.get(id(t))
+        return ref is not None and ref() is t
 
     def _where(self) -> tuple[str, str, str | None]:
         # The phase is set by the caller, not read from autograd: a replay may run inside the autograd
@@ -116,6 +141,13 @@ class NonFiniteLocator(TorchDispatchMode):
             return out
         bad_in = bad_before if mutable else _nonfinite(inputs)
         kind = "nan" if any(bool(torch.isnan(o).any()) for o in outputs) else "inf"
+        from_sentinel = bool(bad_in) and all(self._is_sentinel(t) for t in bad_in)
+        only_minus = all(not bool((o == float("inf")).any()) and not bool(torch.isnan(o).any()) for o in outputs)
+        if only_minus and (from_sentinel or (not bad_in and _saturated_cast(func, inputs, outputs))):
+            self._sentinels.update((id(o), weakref.ref(o)) for o in outputs)
+            return out
+        if from_sentinel:
+            bad_in = []      # a NaN made from the sentinel alone (a fully masked row): this op is its origin
         dtype = str(outputs[0].dtype)
         if not inputs and not mutable:
             # A factory (scalar_tensor(-inf), full(..., -inf)) makes the value on purpose, as attention masks
