@@ -27,14 +27,20 @@ _SKIP_DIRS = _MACHINERY_DIRS + (str(Path(os.__file__).parent.resolve()) + os.sep
 
 
 @functools.lru_cache(maxsize=4096)
-def is_user_file(filename: str) -> bool:
+def _resolved(filename: str) -> str | None:
+    # A real file's resolved path; None for "<stdin>"-like names and paths that cannot be resolved.
     if filename.startswith("<"):
-        return False
+        return None
     try:
-        resolved = str(Path(filename).resolve())
+        return str(Path(filename).resolve())
     except OSError:
-        return False
-    return not resolved.startswith(_SKIP_DIRS)
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def is_user_file(filename: str) -> bool:
+    resolved = _resolved(filename)
+    return resolved is not None and not resolved.startswith(_SKIP_DIRS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,10 +55,5 @@ def library_dirs() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=4096)
 def is_library_file(filename: str) -> bool:
     """Whether ``filename`` belongs to an installed package other than torch and ampaudit."""
-    if filename.startswith("<"):
-        return False
-    try:
-        resolved = str(Path(filename).resolve())
-    except OSError:
-        return False
-    return resolved.startswith(library_dirs()) and not resolved.startswith(_MACHINERY_DIRS)
+    resolved = _resolved(filename)
+    return resolved is not None and resolved.startswith(library_dirs()) and not resolved.startswith(_MACHINERY_DIRS)

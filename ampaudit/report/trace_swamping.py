@@ -27,27 +27,24 @@ STATE_CHECKS = ("updates", "optimizer state")
 SHOWN = 5
 
 
-def swamping_row(ev: dict, step: int | None) -> dict | None:
-    """One ``swamping`` event as a row; None without a tensor name."""
+def _state_row(ev: dict, step: int | None, numbers: tuple[str, ...]) -> dict | None:
+    # A state event's row: its text fields (None where not a string) and ``numbers`` (None where not finite).
     tensor = ev.get("tensor")
     if not isinstance(tensor, str):
         return None
     text = {k: ev.get(k) if isinstance(ev.get(k), str) else None
             for k in ("module", "kind", "dtype", "why", "fix", "source")}
-    return {"step": step, "tensor": tensor, **text,
-            **{k: finite(ev.get(k)) for k in ("share_rounded", "realized_ratio", "update_rel", "half_ulp_rel",
-                                              "elements", "numel")}}
+    return {"step": step, "tensor": tensor, **text, **{k: finite(ev.get(k)) for k in numbers}}
+
+
+def swamping_row(ev: dict, step: int | None) -> dict | None:
+    """One ``swamping`` event as a row; None without a tensor name."""
+    return _state_row(ev, step, ("share_rounded", "realized_ratio", "update_rel", "half_ulp_rel", "elements", "numel"))
 
 
 def overflow_row(ev: dict, step: int | None) -> dict | None:
     """One ``state_overflow`` event as a row; None without a tensor name."""
-    tensor = ev.get("tensor")
-    if not isinstance(tensor, str):
-        return None
-    text = {k: ev.get(k) if isinstance(ev.get(k), str) else None
-            for k in ("module", "kind", "dtype", "why", "fix", "source")}
-    return {"step": step, "tensor": tensor, **text,
-            **{k: finite(ev.get(k)) for k in ("elements", "numel", "fp32_absmax", "limit")}}
+    return _state_row(ev, step, ("elements", "numel", "fp32_absmax", "limit"))
 
 
 def _overflows(data: Any) -> list[dict]:
