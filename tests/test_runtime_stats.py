@@ -27,6 +27,25 @@ def test_full_counts_match_a_direct_count(dtype):
     assert min_nz.item() == pytest.approx(smallest, rel=1e-2)
 
 
+@pytest.mark.parametrize("target", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("zeros", [0, 3])
+def test_fp32_counts_with_and_without_zeros_equal_one_compare_per_threshold(target, zeros):
+    # Thresholds that fall inside a 15-bit key's bin (fp16's max, half of a subnormal) and values on both
+    # sides of them; without zeros the counts skip the nonzero count and the zero-masking minimum.
+    edge = [65504.0, 65505.0, 65519.9, 65520.0, 2.0 ** -25, 2.0 ** -24 * 1.5, 3e38, math.inf, math.nan]
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(4000, generator=g) * 1e3, torch.tensor(edge), torch.zeros(zeros)])
+    if zeros:                   # fp32 below 2^-133 shares the zeros' key
+        x = torch.cat([x, torch.tensor([2.0 ** -134])])
+    counts, min_nz = full_counts(x, target)
+    th = thresholds(torch.float32, target)
+    bits = magnitude_bits(x)
+    assert counts.tolist() == [count_ge(bits, thr, th.width).item() for thr in th.columns]
+    a = x.abs()
+    assert min_nz.item() == a[(a > 0) & torch.isfinite(a)].min().item()
+    assert full_counts(torch.tensor([math.inf, math.nan] + [0.0] * zeros), target)[1].item() == math.inf
+
+
 def test_count_ge_is_an_integer_compare_on_magnitudes():
     x = torch.randn(1000) * 100
     th = thresholds(torch.float32, torch.float16)

@@ -156,10 +156,22 @@ def full_counts(t: torch.Tensor, target: torch.dtype,
     bits = t.abs().view(torch.int32)
     raw = histogram if histogram is not None else torch.bincount((bits >> 16).reshape(-1), minlength=KEYS)
     counts = n - raw.cumsum(0).index_select(0, plan.below)
+    on_cpu = t.device.type == "cpu"
+    # Key 0 holds the zeros (and fp32 values below 2^-133). On CPU its count is read for free: when it is
+    # empty, every element is nonzero and the smallest magnitude is the smallest nonzero one, so neither a
+    # count of the nonzeros nor the zero-masking minimum has to pass over the tensor.
+    lowest = (raw[:1] if on_cpu else None)
+    if lowest is not None and not int(lowest):
+        counts[0] = n
+        seen = raw.index_select(0, plan.inside_keys).tolist() if plan.inside else []
+        due = [(col, thr) for (col, thr, _), c in zip(plan.inside, seen) if c]
+        for col, thr in due:
+            counts[col] = count_ge(bits, thr, th.width)
+        return counts, bits.amin().clamp(max=th.inf).to(th.itype).view(t.dtype).float()
     nonzero = torch.count_nonzero(bits)
     counts[0] = nonzero
     if plan.inside:
-        if t.device.type == "cpu":
+        if on_cpu:
             # Elements of each such bin other than the zeros (key 0 holds them): when none, the suffix is exact.
             seen = torch.cat([raw.index_select(0, plan.inside_keys), nonzero.reshape(1)]).tolist()
             due = [(col, thr) for (col, thr, k), c in zip(plan.inside, seen) if c - (n - seen[-1] if k == 0 else 0)]
