@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampaudit.dtypes import is_half
+from ampaudit.dtypes import is_half, limits
 from ampaudit.notes import note
 from ampaudit.runtime.module_stack import ModuleStack, model_location, source_from_lines, user_source
 from ampaudit.runtime.replay_state import float_tensors, preserved
@@ -63,7 +63,7 @@ def _saturated_cast(func: Any, inputs: list[torch.Tensor], outputs: list[torch.T
     if src.shape != out.shape or not torch.isfinite(src).all():
         return False
     moved = ~torch.isfinite(out)
-    return bool((src[moved] == torch.finfo(src.dtype).min).all())
+    return bool((src[moved] == -limits(src.dtype).max).all())   # IEEE: a float dtype's lowest is -max
 
 
 def _finite(t: torch.Tensor) -> bool:

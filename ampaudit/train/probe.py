@@ -130,7 +130,7 @@ def _data(hooks: TrainHooks, example: tuple[tuple, dict]) -> tuple[Callable, Cal
         return hooks.train_data, mean_of_outputs, "train_data() with the mean of the outputs as the loss (no loss_fn)"
     args, kwargs = example
     if args and kwargs:
-        raise UsageError("--train-steps without train_data() needs inputs that are all positional or all keyword",
+        raise UsageError("train_steps without train_data() needs inputs that are all positional or all keyword",
                          hint="give the model file train_data() yielding (inputs, target)")
     inputs = kwargs if kwargs else tuple(args)
     return (lambda: itertools.repeat((inputs, None)), mean_of_outputs,
@@ -146,8 +146,8 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
     from ampaudit.train.trainer import Trainer
 
     if policy.low not in LOW_PRECISION:
-        raise UsageError(f"--train-steps trains under fp16 or bf16 autocast, not {name_of(policy.low)}",
-                         hint="use --dtype float16 or bfloat16 with --train-steps")
+        raise UsageError(f"train_steps trains under fp16 or bf16 autocast, not {name_of(policy.low)}",
+                         hint="use dtype=float16 or bfloat16 with train_steps")
     train_data, loss_fn, words = _data(hooks, example)
     device_type = device_type or model_device(model)
     buf = io.StringIO()
