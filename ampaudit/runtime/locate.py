@@ -21,7 +21,7 @@ For backward ops, each autograd node is mapped to the module that was innermost 
 autograd numbers nodes in creation order, so module entries/exits are marked with the current sequence
 number and a backward node's ``_sequence_nr()`` is looked up in those intervals. Backward source lines come
 from anomaly mode's record of the forward stack, on a second replay made only when the first finds a backward
-origin (recording every node's stack costs a third of a replay).
+origin (recording every node's stack formats a traceback per op).
 
 This checks every op (one host read per op), so it is for replays and offline checks, never every step:
 ``ampaudit.watch`` replays a step through :func:`replay` only when its cheap per-pass flag trips.
@@ -196,8 +196,9 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     once = dict(device_type=device_type, dtype=dtype, autocast=autocast, rng_state=rng_state, upstream=upstream,
                 loss=loss, max_events=max_events, backward=backward)
     # Anomaly mode (the forward stack of each autograd node: the backward events' source lines) formats a
-    # traceback per op, a third of a replay's time, and is read only for a backward event: a replay that finds
-    # one is run again with it. Same inputs, RNG and buffers, so the same events, now with their lines.
+    # traceback per op (the largest Python cost of a replay under cProfile) and is read only for a backward
+    # event: a replay that finds one is run again with it. Same inputs, RNG and buffers, so the same events,
+    # now with their lines.
     events = _replay_once(root, args, kwargs, anomaly=False, **once)
     if backward and any(ev.get("phase") == "backward" for ev in events):
         events = _replay_once(root, args, kwargs, anomaly=True, **once)
