@@ -20,7 +20,8 @@ user's own file, else an installed library's, as transformers' for its models), 
 For backward ops, each autograd node is mapped to the module that was innermost when the node was created:
 autograd numbers nodes in creation order, so module entries/exits are marked with the current sequence
 number and a backward node's ``_sequence_nr()`` is looked up in those intervals. Backward source lines come
-from anomaly mode's record of the forward stack.
+from anomaly mode's record of the forward stack, on a second replay made only when the first finds a backward
+origin (recording every node's stack formats a traceback per op).
 
 This checks every op (one host read per op), so it is for replays and offline checks, never every step:
 ``ampaudit.watch`` replays a step through :func:`replay` only when its cheap per-pass flag trips.
@@ -28,6 +29,7 @@ This checks every op (one host read per op), so it is for replays and offline ch
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import traceback
 import warnings
@@ -67,6 +69,15 @@ def _saturated_cast(func: Any, inputs: list[torch.Tensor], outputs: list[torch.T
 
 
 def _finite(t: torch.Tensor) -> bool:
+    try:
+        # Its least and greatest values are elements of ``t`` and both propagate NaN, so they are finite exactly
+        # when every element is: one reduction, one op through the dispatch modes below this one (tolist reads
+        # the scalars without dispatching), where isfinite(t).all() is six (abs, ne, eq, mul, all, a host read),
+        # four of them writing a tensor of t's size: 10x slower on a large activation.
+        mn, mx = torch.aminmax(t)
+        return math.isfinite(mn.tolist()) and math.isfinite(mx.tolist())
+    except (RuntimeError, TypeError):
+        pass  # no aminmax for this dtype (complex, fp8) or subclass: the elementwise check below
     try:
         return bool(torch.isfinite(t).all())
     except NotImplementedError:
@@ -182,6 +193,22 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     """
     kwargs = kwargs or {}
     backward = loss is not None or (upstream is not None and any(g is not None for g in upstream))
+    once = dict(device_type=device_type, dtype=dtype, autocast=autocast, rng_state=rng_state, upstream=upstream,
+                loss=loss, max_events=max_events, backward=backward)
+    # Anomaly mode (the forward stack of each autograd node: the backward events' source lines) formats a
+    # traceback per op (the largest Python cost of a replay under cProfile) and is read only for a backward
+    # event: a replay that finds one is run again with it. Same inputs, RNG and buffers, so the same events,
+    # now with their lines.
+    events = _replay_once(root, args, kwargs, anomaly=False, **once)
+    if backward and any(ev.get("phase") == "backward" for ev in events):
+        events = _replay_once(root, args, kwargs, anomaly=True, **once)
+    return events
+
+
+def _replay_once(root: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype,
+                 autocast: bool, rng_state: dict | None, upstream: list[torch.Tensor | None] | None,
+                 loss: Callable[[Any], torch.Tensor] | None, max_events: int, backward: bool,
+                 anomaly: bool) -> list[dict]:
     known: dict[int, str] = {}
     for t in float_tensors((args, kwargs)):
         known[t.data_ptr()] = "input"
@@ -198,11 +225,11 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     grad_ctx = torch.enable_grad() if backward else torch.no_grad()
     with preserved(root, rng_state), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode announces itself
-        anomaly = torch.autograd.detect_anomaly(check_nan=False) if backward else contextlib.nullcontext()
+        stacks = torch.autograd.detect_anomaly(check_nan=False) if anomaly else contextlib.nullcontext()
         try:
             # No cast cache: a replay run inside the caller's autocast region must redo (and see) the casts.
             amp = torch.autocast(device_type, dtype=dtype, enabled=autocast, cache_enabled=False)
-            with tracker, grad_ctx, anomaly, amp, locator:
+            with tracker, grad_ctx, stacks, amp, locator:
                 out = root(*args, **kwargs)
         except Exception as exc:  # the forward raised: report where, not a traceback
             if locator.error is None:

@@ -1,0 +1,78 @@
+"""What each of ``check --calibrate``'s own passes costs on one torchvision model, against one bare simulated
+forward+backward of the same batch (random init, batch 2, cuda float16 simulated on the CPU, one thread).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/calibrate_stages.py swin_t --size 160
+
+Prints seconds per stage: ``bare`` (the forward+backward under the simulation), ``locate`` (the inf/NaN locator's
+replay, :func:`~ampaudit.runtime.locate.locate_nonfinite`), ``compare`` (each module against FP32,
+:func:`~ampaudit.runtime.compare.compare_to_fp32`), ``decisions``
+(:func:`~ampaudit.runtime.decision_record.measure_or_note`), and ``check`` (the whole
+``ampaudit.check(..., calibrate=True)``). Compare two checkouts by alternating runs with ``PYTHONPATH`` set to each:
+the machine's load moves absolute seconds, so only side-by-side ratios mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from coverage_tvops import import_torchvision  # noqa: E402
+
+
+def stages(name: str, size: int) -> dict[str, float]:
+    import ampaudit
+    from ampaudit.analysis.calibrate import batch_loss
+    from ampaudit.policy import Policy
+    from ampaudit.runtime.compare import compare_to_fp32
+    from ampaudit.runtime.decision_record import measure_or_note
+    from ampaudit.runtime.locate import locate_nonfinite
+    from ampaudit.simulate import target_autocast
+
+    tv = import_torchvision()[0]
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)().eval()
+    x = torch.randn(2, 3, size, size)
+    policy, loss = Policy.load("cuda", "float16"), batch_loss(None, None)
+
+    def bare():
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss(out).backward()
+        model.zero_grad(set_to_none=True)
+
+    passes = {"bare": bare,
+              "locate": lambda: locate_nonfinite(model, (x,), {}, dtype=torch.float16, loss=loss),
+              "compare": lambda: compare_to_fp32(model, (x,), {}, dtype=torch.float16),
+              "decisions": lambda: measure_or_note(model, (x,), {}, dtype=torch.float16)}
+    with target_autocast(policy, "cpu", enter_autocast=False):
+        bare()                                  # warm-up: first-call costs are no stage's
+    out = {}
+    for key, run in passes.items():
+        with target_autocast(policy, "cpu", enter_autocast=False):
+            start = time.perf_counter()
+            run()
+            out[key] = round(time.perf_counter() - start, 3)
+    start = time.perf_counter()
+    ampaudit.check(model, x, calibrate=True)
+    out["check"] = round(time.perf_counter() - start, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", help="a torchvision.models builder name: resnet18, swin_t, ...")
+    p.add_argument("--size", type=int, default=160, help="input height and width (default 160)")
+    args = p.parse_args(argv)
+    print(json.dumps({"model": args.model, "size": args.size, **stages(args.model, args.size)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
