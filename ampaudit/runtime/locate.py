@@ -62,7 +62,7 @@ def _saturated_cast(func: Any, inputs: list[torch.Tensor], outputs: list[torch.T
     if func.overloadpacket.__name__ not in _CASTS or len(inputs) != 1 or not inputs[0].numel():
         return False
     src, out = inputs[0], outputs[0]
-    if src.shape != out.shape or not torch.isfinite(src).all():
+    if src.shape != out.shape or not _finite(src):
         return False
     moved = ~torch.isfinite(out)
     return bool((src[moved] == -limits(src.dtype).max).all())   # IEEE: a float dtype's lowest is -max

@@ -119,15 +119,10 @@ def rng_snapshot() -> Callable[[], None]:
     return restore
 
 
-@contextlib.contextmanager
-def rng_kept() -> Iterator[None]:
-    """The global RNGs as they were on exit (:func:`rng_snapshot`); also a decorator (``@rng_kept()``) for a
-    command that builds a model or draws inputs from its own file."""
-    restore = rng_snapshot()
-    try:
-        yield
-    finally:
-        restore()
+def rng_kept() -> contextlib.AbstractContextManager[None]:
+    """The global RNGs as they were on exit (:func:`rng_snapshot`): :func:`kept` of no model. Also a decorator
+    (``@rng_kept()``) for a command that builds a model or draws inputs from its own file."""
+    return kept()
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

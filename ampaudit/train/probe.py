@@ -58,14 +58,15 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
     could not be measured."""
     from ampaudit.runtime.swamping import SwampMeter, low_precision
 
+    level = check_opt_level(opt_level)
     stored_low = any(low_precision(t) for t in (*model.parameters(), *model.buffers()))
-    if policy.low not in LOW_PRECISION or (check_opt_level(opt_level) == "O1" and not stored_low):
+    if policy.low not in LOW_PRECISION or (level == "O1" and not stored_low):
         return [], None     # O1 keeps an fp32 model fp32: nothing it updates can round away (no copy is made)
 
     device_type = device_type or model_device(model)
-    twin, mastered = stored_copy(model, policy.low, opt_level)
+    twin, mastered = stored_copy(model, policy.low, level)
     twin.train()
-    meter = SwampMeter(twin, mastered=mastered, o2=check_opt_level(opt_level) == "O2")
+    meter = SwampMeter(twin, mastered=mastered, o2=level == "O2")
     worst: dict[str, dict] = {}
     rng, note = capture_rng(), None
     try:
