@@ -28,9 +28,8 @@ from ampaudit.api import TRAINING
 from ampaudit.dtypes import name_of
 from ampaudit.errors import InputError, UsageError
 from ampaudit.policy import Policy
-from ampaudit.runtime.replay_state import float_tensors, model_device
+from ampaudit.runtime.replay_state import float_tensors, model_device, rng_snapshot
 from ampaudit.simulate import target_autocast
-from ampaudit.train.checkpoint import capture_rng, restore_rng
 from ampaudit.train.masters import LOW_PRECISION, cast_model_o2, check_opt_level, o2_mastered
 
 # A forward of the copy that fails is a note, not an error: the calibration itself already ran the model.
@@ -68,7 +67,7 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
     twin.train()
     meter = SwampMeter(twin, mastered=mastered, o2=level == "O2")
     worst: dict[str, dict] = {}
-    rng, note = capture_rng(), None
+    restore_rng, note = rng_snapshot(), None
     try:
         for i, batch in enumerate(batches, 1):
             if not meter.begin(i):
@@ -87,7 +86,7 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
                 if seen is None or _loses_more(row, seen):
                     worst[row["tensor"]] = row
     finally:
-        restore_rng(rng)
+        restore_rng()
     return list(worst.values()), note
 
 
@@ -152,7 +151,7 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
     train_data, loss_fn, words = _data(hooks, example)
     device_type = device_type or model_device(model)
     buf = io.StringIO()
-    twin, rng = copy.deepcopy(model), capture_rng()
+    twin, restore_rng = copy.deepcopy(model), rng_snapshot()
     twin.train()            # a check may be given a model in eval mode; training runs in training mode
     try:
         with warnings.catch_warnings(), target_autocast(policy, device_type, enter_autocast=False):
@@ -165,7 +164,7 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
             with trainer:
                 result = trainer.fit(steps=steps)
     finally:
-        restore_rng(rng)
+        restore_rng()
     events = [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
     ended = "" if result.steps >= steps else f"; the data ran out after {result.steps} step(s)"
     return events, (f"trained a copy {result.steps} step(s) at {opt_level} in {name_of(policy.low)} on {words}"
