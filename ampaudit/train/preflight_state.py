@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampaudit.dtypes import name_of, unit_roundoff
 from ampaudit.policy import settings
-from ampaudit.runtime.swamping import LOW_FLOATS, low_precision, written_tensors
+from ampaudit.runtime.swamp_targets import LOW_FLOATS, low_precision, written_tensors
 from ampaudit.train.preflight_check import Check
 
 SHOWN = 4
