@@ -88,3 +88,47 @@ def test_close_takes_off_the_hooks_of_a_sampled_forward_that_raised():
         model(torch.randn(2, 5))                       # wrong width: the first Linear raises
     w.close()
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class Spike(nn.Module):
+    """Writes inf where its input passes 0.5: an overflow a user's forward hook may absorb."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x > 0.5, float("inf"))
+
+
+def _clamp(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    out.clamp_(-1e4, 1e4)           # in place: what the next module receives, and returns nothing
+
+
+def _watched_run(hook_registered: str | None) -> tuple[list[dict], list[dict]]:
+    """``(stats of the spike's forward, nonfinite events)`` of 4 steps, 2 of them sampled, with the clamp
+    registered ``"before"`` or ``"after"`` watch() (or not at all)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Spike(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    if hook_registered == "before":
+        model[1].register_forward_hook(_clamp)
+    with watch(model, every=4, stats_every=2, locate_first=False, dtype=torch.bfloat16) as w:
+        if hook_registered == "after":
+            model[1].register_forward_hook(_clamp)
+        for step in range(4):
+            w.set_step(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().sum()
+            loss.backward()
+    stats = [e for e in w.events if e["event"] == "stats" and e["module"] == "1" and e["phase"] == "forward"]
+    return stats, [e for e in w.events if e["event"] == "nonfinite"]
+
+
+def test_a_module_s_statistics_are_of_its_output_after_the_users_forward_hooks():
+    """The statistics hooks go on for a sampled pass, after every hook the user put on the module (before or after
+    watch()): they read the output the next module receives. A user's in-place clamp that absorbs an inf is seen
+    on a sampled pass as the unsampled passes see it, finite, so a sampled pass raises no alarm the model's own
+    forward does not pass on."""
+    stats, nonfinite = _watched_run(None)
+    assert stats and stats[0]["inf"] > 0 and nonfinite                 # the spike is seen without the clamp
+    for order in ("before", "after"):
+        stats, nonfinite = _watched_run(order)
+        assert stats and stats[0]["inf"] == 0 and stats[0]["absmax"] <= 1e4, (order, stats)
+        assert nonfinite == [], (order, nonfinite)
