@@ -131,3 +131,33 @@ def test_infinite_buffers_that_mean_no_clamp_are_not_range_findings():
     report = ampaudit.check(Clamped(), torch.randn(8, 16), device="cuda", dtype="float16", calibrate=True)
     flagged = [f.message for f in report.findings if f.rule == "AMP501"]
     assert len(flagged) == 1 and flagged[0].startswith("big "), flagged
+
+
+class _AbsorbedOverflow(nn.Module):
+    """A linear layer that overflows fp16 and a where() right after it that drops the inf: the loss stays finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.fc.weight.fill_(1e3)
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.where(torch.isfinite(y), y, torch.zeros_like(y)).float()
+
+
+def test_amp601_fires_for_an_inf_a_later_op_absorbs_and_its_why_claims_no_more():
+    """AMP601 names the first op to make inf/NaN whether or not it reaches the loss, so its why may not say that
+    everything after it passes the fault along: here a where() drops it and the output is finite."""
+    model, x = _AbsorbedOverflow(), torch.full((2, 4), 100.0)        # 4e5 per output: past fp16's 65504
+    from ampaudit.policy import Policy
+    from ampaudit.simulate import target_autocast
+
+    with target_autocast(Policy.load("cuda", "float16"), "cpu"):
+        assert not torch.isfinite(model.fc(x)).all() and torch.isfinite(model(x)).all()                           # absorbed: nothing reaches the loss
+    report = ampaudit.check(model, x, device="cuda", dtype="float16", calibrate=True)
+    found = [f for f in report.findings if f.rule == "AMP601" and f.details["phase"] == "forward"]
+    assert found and found[0].module == "fc", report.findings
+    assert "only passes the fault along" not in found[0].why and "absorb it" in found[0].why

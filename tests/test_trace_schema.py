@@ -85,6 +85,24 @@ def test_the_writer_builds_known_kinds_and_writes_others_as_given():
                      {"event": "note", "step": None, "text": "a kind of the caller's own"}]
 
 
+def test_the_memory_trace_keeps_what_the_file_would_read_back():
+    import torch
+
+    from ampaudit.runtime.trace import MemoryTrace
+
+    buf, memory = io.StringIO(), MemoryTrace()
+    for tw in (TraceWriter(buf), memory):
+        tw.write("checkpoint", 4, path="c.pt")
+        tw.write("note", 2, loss=float("inf"), worst=(float("nan"), -float("inf"), -0.0), scale=torch.tensor(2.5),
+                 per={1: [0.1, (2, 3)]}, flag=True, none=None)
+    read_back = [json.loads(x) for x in buf.getvalue().splitlines()]
+    assert memory.events == read_back
+    assert memory.events[1]["loss"] == "inf" and memory.events[1]["per"] == {"1": [0.1, [2, 3]]}
+    memory.close()
+    memory.write("note", 3)      # closing a memory trace loses nothing and keeps it open
+    assert len(memory.events) == 3
+
+
 def _written_kinds() -> dict[str, list[str]]:
     """kind -> places in ampaudit/ that write it: ``x.write("kind", ...)``, ``x.emit``/``_emit`` and ``event("kind",
     ...)`` calls with a literal kind and keyword fields."""

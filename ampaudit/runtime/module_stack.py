@@ -14,7 +14,7 @@ import bisect
 import os
 import re
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -33,12 +33,21 @@ def short_location(filename: str, line: int) -> str:
     return f"{filename}:{line}"
 
 
-def model_location(frames: Iterable[tuple[str, int]]) -> str | None:
+def model_location(frames: Iterable[tuple[str, int]], *,
+                   passed_over: Callable[[str], bool] | None = None) -> str | None:
     """``file:line`` of the model's code among ``frames`` ((file, line), innermost first): the first in the user's
     own files; failing that, the first in an installed library's (transformers' attention: a library model's own
-    code); None when every frame is torch's, ampaudit's or Python's."""
+    code); None when every frame is torch's, ampaudit's or Python's.
+
+    ``passed_over`` (a test of a file name) makes the rule strict: only the frames whose file it accepts are
+    passed over, and the first other frame is the answer when it is in the user's own files, None when it is not
+    (no library fallback: the code that called in was ampaudit's, a library's or Python's)."""
     library = None
     for filename, line in frames:
+        if passed_over is not None:
+            if passed_over(filename):
+                continue
+            return short_location(filename, line) if is_user_file(filename) else None
         if is_library_file(filename):
             library = library or short_location(filename, line)
         elif is_user_file(filename):
@@ -46,10 +55,10 @@ def model_location(frames: Iterable[tuple[str, int]]) -> str | None:
     return library
 
 
-def user_source(frame=None, *, stop=None) -> str | None:
-    """:func:`model_location` of the stack from ``frame`` outward, up to the frame running code object ``stop``
-    (the caller of the model: it and the frames outside it, such as the script that called ``check``, are not the
-    model's code)."""
+def user_source(frame=None, *, stop=None, passed_over: Callable[[str], bool] | None = None) -> str | None:
+    """:func:`model_location` of the stack from ``frame`` (default: the caller's) outward, up to the frame
+    running code object ``stop`` (the caller of the model: it and the frames outside it, such as the script that
+    called ``check``, are not the model's code), under the strict rule when ``passed_over`` is given."""
     f = frame if frame is not None else sys._getframe(1)
 
     def frames():
@@ -58,7 +67,7 @@ def user_source(frame=None, *, stop=None) -> str | None:
             yield f.f_code.co_filename, f.f_lineno
             f = f.f_back
 
-    return model_location(frames())
+    return model_location(frames(), passed_over=passed_over)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -67,12 +76,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 def writer_source(own_file: str) -> str | None:
     """``file:line`` of the code that called into torch: the innermost frame outside torch and ``own_file`` (the
     caller's module), when it is the user's; None when it is not (an update the trainer's optimizer step made)."""
-    f = sys._getframe(1)
-    while f is not None and (f.f_code.co_filename == own_file or f.f_code.co_filename.startswith(_TORCH_DIR)):
-        f = f.f_back
-    if f is None or not is_user_file(f.f_code.co_filename):
-        return None
-    return short_location(f.f_code.co_filename, f.f_lineno)
+    return user_source(sys._getframe(1),
+                       passed_over=lambda filename: filename == own_file or filename.startswith(_TORCH_DIR))
 
 
 def source_from_lines(lines: list[str], *, stop=None) -> str | None:

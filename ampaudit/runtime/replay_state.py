@@ -6,6 +6,7 @@
     restore = state_snapshot(model); ...; restore()            # parameters too, modes, requires_grad, RNG
     with kept(original, fixed):                             # the same, around a block, for several models
     with rng_kept():                                        # only the global RNGs (torch, CUDA, random, NumPy)
+    state = global_rng_state(); ...; set_global_rng_state(state)   # the same, as data a checkpoint can store
     model_device(model)                                     # "cpu": where its parameters live
 
 Every replay of ampaudit (the non-finite locator, the divergence probe, decisions, calibration, fix
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
 import sys
 from typing import Any, Callable, Iterator
@@ -99,24 +101,41 @@ def kept(*roots: nn.Module) -> Iterator[None]:
         restore()
 
 
-def rng_snapshot() -> Callable[[], None]:
-    """The global RNG states a forward, a loss or a data loader may draw from: torch's CPU generator, each CUDA
-    device's once CUDA is initialised, Python's ``random`` and, once something imported it, NumPy's. Call the
-    result to put them back. (ampaudit draws only from torch's; the user's code run by a command may draw from
-    any.)"""
-    cpu, py = torch.get_rng_state(), random.getstate()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    numpy = sys.modules.get("numpy")
-    np_state = numpy.random.get_state() if numpy is not None else None
+def global_rng_state() -> dict[str, Any]:
+    """The global RNG states a forward, a loss or a data loader may draw from, as tensors and plain data (what a
+    checkpoint stores: it loads with ``torch.load(weights_only=True)``): torch's CPU generator (``torch``), each
+    CUDA device's once CUDA is initialised (``cuda``), Python's ``random`` (``python``) and, once something
+    imported it, NumPy's (``numpy``). :func:`set_global_rng_state` puts them back. (ampaudit draws only from
+    torch's; the user's code run by a command may draw from any.)"""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")     # torch imports it where it is installed
+    if numpy is not None:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
 
-    def restore() -> None:
-        torch.set_rng_state(cpu)
-        random.setstate(py)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        if np_state is not None:
-            numpy.random.set_state(np_state)
-    return restore
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    """Put back the global RNG states :func:`global_rng_state` returned (in this process or a checkpoint's)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def rng_snapshot() -> Callable[[], None]:
+    """The global RNG states as they are now (:func:`global_rng_state`); call the result to put them back (as
+    often as needed)."""
+    return functools.partial(set_global_rng_state, global_rng_state())
 
 
 def rng_kept() -> contextlib.AbstractContextManager[None]:

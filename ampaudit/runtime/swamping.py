@@ -12,19 +12,20 @@ bf16's half ulp (2^-9 to 2^-8 of the value), so it barely moves at all.
     for event in meter.finish(): writer.write("swamping", **event)
     for event in meter.overflows: writer.write("state_overflow", **event)   # the step's state beyond its range
 
-How: while a step is measured, a ``TorchDispatchMode`` sees every aten op. An op that writes (its schema marks
-the argument ``Tensor(a!)``: ``add_``, ``mul_``, ``lerp_``, ``copy_``, the ``_foreach_*_`` family, the running
+How: while a step is measured, a ``TorchDispatchMode`` sees every aten op. An op that writes (its schema marks the
+argument ``Tensor(a!)``: ``add_``, ``mul_``, ``lerp_``, ``copy_``, the ``_foreach_*_`` family, the running
 statistics of ``native_batch_norm``, ``out=`` variants) into a candidate tensor (a low-precision float parameter,
-buffer or optimizer state that has no FP32 master) is run a second time on FP32 upcasts, into an FP32 copy of
-that tensor: what FP32 storage would hold. Pointwise ops, copies and views that read a candidate or such an FP32
-value carry their FP32 result alongside, so ``t.copy_(m * t + (1 - m) * s)`` is measured as well as
-``t.lerp_(s, 1 - m)``. At the end of the step, per tensor: ``share_rounded`` (of the elements whose FP32 update is
-nonzero, those whose stored value did not move) and ``realized_ratio`` (norm of the stored delta / norm of the FP32
-delta). Cost: nothing on the other steps, nor on a model without low-precision state (the mode is not entered);
-on a measured step one Python call per aten op, an FP32 copy and a start copy of each tensor that changes, at most
-``[swamping] max_elements`` elements per step (beyond that, tensors are measured in turn over the sampled steps).
-The same FP32 copies name state whose stored value overflows while FP32 holds it finite (``meter.overflows``,
-``state_overflow`` events; :mod:`ampaudit.runtime.state_overflow`: a half model's BatchNorm running_var).
+buffer or optimizer state that has no FP32 master: :mod:`ampaudit.runtime.swamp_targets`) is run a second time on
+FP32 upcasts, into an FP32 copy of that tensor: what FP32 storage would hold. Pointwise ops, copies and views that
+read a candidate or such an FP32 value carry their FP32 result alongside, so ``t.copy_(m * t + (1 - m) * s)`` is
+measured as well as ``t.lerp_(s, 1 - m)``. At the end of the step, per tensor: ``share_rounded`` (of the elements
+whose FP32 update is nonzero, those whose stored value did not move) and ``realized_ratio`` (norm of the stored
+delta / norm of the FP32 delta). Cost: nothing on the other steps, nor on a model without low-precision state (the
+mode is not entered); on a measured step one Python call per aten op, an FP32 copy and a start copy of each tensor
+that changes, at most ``[swamping] max_elements`` elements per step (beyond that, tensors are measured in turn over
+the sampled steps). The same FP32 copies name state whose stored value overflows while FP32 holds it finite
+(``meter.overflows``, ``state_overflow`` events; :mod:`ampaudit.runtime.state_overflow`: a half model's BatchNorm
+running_var).
 """
 from __future__ import annotations
 
@@ -44,32 +45,16 @@ from ampaudit.dtypes import name_of
 from ampaudit.policy import settings
 from ampaudit.runtime.module_stack import writer_source
 from ampaudit.runtime.state_overflow import describe_overflow, fp32_start, overflow
+# The candidates and the write slots are re-exported: callers of the meter name them from here too.
+from ampaudit.runtime.swamp_targets import (LOW_FLOATS, Candidate, candidates, low_precision, write_slots,
+                                            written_tensors)
 
-LOW_FLOATS = dtypes.LOW_FLOATS
 _aten = torch.ops.aten
 _FP32_NOISE = 4 * dtypes.limits(torch.float32).eps
 # Ops that carry an FP32 value along besides the pointwise ones: copies and views of the same elements.
 _CARRY = frozenset({_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten.view.default,
                     _aten._unsafe_view.default, _aten.t.default, _aten._to_copy.default,
                     _aten.lift_fresh.default})
-
-
-def low_precision(t: Any) -> bool:
-    """A real (not sharded, not fake) tensor stored in fp16/bf16/fp8."""
-    return isinstance(t, torch.Tensor) and t.dtype in LOW_FLOATS and type(t) in (torch.Tensor, nn.Parameter)
-
-
-@dataclass
-class Candidate:
-    """One tensor that may lose its updates: ``kind`` param | buffer | optimizer_state."""
-
-    name: str
-    module: str
-    kind: str
-    tensor: torch.Tensor
-    frozen: bool = False
-    owner: str = ""              # the module to keep in float32 (a frozen copy's outermost module)
-    measured_at: int = -1
 
 
 @dataclass
@@ -81,73 +66,10 @@ class _Measure:
     start_inf: torch.Tensor | None = None   # elements inf in storage at the first write (FP32 starts them at max)
 
 
-def _module_of(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _frozen_owner(name: str, training: set[str]) -> str:
-    """The outermost module above parameter ``name`` that holds no trainable parameter (else its own module)."""
-    parts = name.split(".")[:-1]
-    for i in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:i])
-        if prefix not in training:
-            return prefix
-    return _module_of(name)
-
-
-def candidates(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-               mastered: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None) -> list[Candidate]:
-    """Every low-precision float parameter and buffer of ``model`` (less ``mastered``: parameters whose FP32 master
-    holds the updates) and every low-precision state of ``optimizer`` (named ``<param>.<state key>`` through
-    ``names``: id(optimizer parameter) -> model parameter name)."""
-    skip = {id(t) for t in mastered}
-    # A frozen copy (an EMA teacher) is named by its outermost module that trains nothing: "teacher", not
-    # "teacher.0", is what to keep in float32.
-    training = {".".join(n.split(".")[:i]) for n, p in model.named_parameters() if p.requires_grad
-                for i in range(n.count(".") + 1)}
-    out = [Candidate(n, _module_of(n), "param", p, frozen=not p.requires_grad,
-                     owner=_frozen_owner(n, training) if not p.requires_grad else _module_of(n))
-           for n, p in model.named_parameters() if id(p) not in skip and low_precision(p)]
-    out += [Candidate(n, _module_of(n), "buffer", b) for n, b in model.named_buffers() if low_precision(b)]
-    if optimizer is not None:
-        known = names or {id(p): n for n, p in model.named_parameters()}
-        for i, (p, state) in enumerate(optimizer.state.items()):
-            pname = known.get(id(p), f"optimizer.param{i}")
-            for key, value in state.items() if isinstance(state, dict) else ():
-                if low_precision(value) and value.numel() > 1:
-                    out.append(Candidate(f"{pname}.{key}", _module_of(pname), "optimizer_state", value))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _write_slots(func: Any) -> tuple[tuple[int, str, bool], ...]:
-    """(position, name, keyword-only) of each argument ``func`` writes into."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return ()
-    # native_batch_norm (and the cuDNN / MIOpen ones) update running_mean / running_var in training without saying
-    # so in their schema.
-    unmarked = "batch_norm" in schema.name
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
-                 if (a.alias_info is not None and a.alias_info.is_write)
-                 or (unmarked and a.name in ("running_mean", "running_var")))
-
-
 @functools.lru_cache(maxsize=None)
 def _carries(func: Any) -> bool:
     """Whether ``func`` maps values elementwise (or copies / views them), so an FP32 twin of its output exists."""
     return func in _CARRY or torch.Tag.pointwise in getattr(func, "tags", ())
-
-
-def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an aten op ``func`` called with ``args`` / ``kwargs`` writes into (lists flattened)."""
-    out: list[torch.Tensor] = []
-    for i, name, kw_only in _write_slots(func):
-        value = kwargs.get(name) if kw_only or i >= len(args) else args[i]
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    return out
 
 
 class _Shadow(TorchDispatchMode):
@@ -159,7 +81,7 @@ class _Shadow(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        writes, carries = _write_slots(func), _carries(func)
+        writes, carries = write_slots(func), _carries(func)
         # Most ops of a step (GEMMs, reductions, the backward) neither write state nor carry values: pass them on.
         if not (writes or carries) or self.meter.skip():
             return func(*args, **kwargs)

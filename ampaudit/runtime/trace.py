@@ -7,6 +7,7 @@ line so a killed run leaves a readable file; the reader tolerates a truncated or
         tw.write("step", step=1, loss=0.7, scale=65536.0, skipped=False, grad_norm=1.2, clipped=False, lr=1e-3,
                  time=0.05)
     events, problems = read_trace("run.jsonl")
+    memory = MemoryTrace()                  # a writer that keeps the events as dicts in memory.events
 
 The contract (event kinds, their fields, versions 1-5 and how readers take older traces) is docs/trace.md; the
 kinds and fields are :data:`ampaudit.runtime.trace_schema.KINDS`, whose constructor builds every event of a
@@ -83,6 +84,27 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class MemoryTrace(TraceWriter):
+    """A trace kept in memory: ``events``, each as reading its line back would give it (inf/NaN as strings,
+    tuples as lists, 0-d tensors as numbers: :func:`jsonable`), for a run whose trace is read in the same
+    process (``check --calibrate --train-steps``). A shared writer like any other: pass it as ``trace=``.
+
+        trace = MemoryTrace()
+        Trainer(model, loss_fn, data, trace=trace).fit(steps=10)
+        steps = [e for e in trace.events if e["event"] == "step"]
+    """
+
+    def __init__(self) -> None:
+        self._fh, self._owns, self.path = None, False, None
+        self.events: list[dict] = []
+
+    def write_record(self, record: dict) -> None:
+        self.events.append(jsonable(record))
+
+    def close(self) -> None:
+        pass
 
 
 class EventLog:

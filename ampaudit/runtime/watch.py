@@ -192,7 +192,10 @@ class Watch(PassHooks):
             return
         if self._handles:
             return
-        self._handles.append(self.root.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+        # First of the root's pre-hooks: a replay calls the root, which runs the user's pre-hooks again, so it
+        # must start from the caller's arguments and RNG, not from what a pre-hook already made of them.
+        self._handles.append(self.root.register_forward_pre_hook(self._on_forward_start, with_kwargs=True,
+                                                                 prepend=True))
         if self.stats:
             # The root's own statistics hook stays (the root's hooks run on every pass anyway); the other
             # modules get theirs only for a sampled pass (PassHooks._install_module_hooks).

@@ -7,12 +7,11 @@ renamed over the old one: a kill at any instant leaves either the previous check
 
     path = save_checkpoint(state, Path("ckpt") / LAST)
     state = load_checkpoint(path)
-    restore_rng(state["rng"][rank])
+    set_global_rng_state(state["rng"][rank])     # ampaudit.runtime.replay_state: the one owner of the RNGs
 """
 from __future__ import annotations
 
 import pickle
-import random
 from pathlib import Path
 from typing import Any
 
@@ -49,30 +48,3 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise TrainError(f"{path} is not an ampaudit checkpoint (version {CHECKPOINT_VERSION})",
                          hint="point checkpoint_dir at the directory a Trainer wrote")
     return state
-
-
-def capture_rng() -> dict[str, Any]:
-    """Every RNG state a training step may draw from: torch CPU, CUDA (all devices), Python, NumPy."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    import numpy as np   # a dependency (torch's CPU wheel warns without it)
-
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Restore the RNG states saved by :func:`capture_rng`."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))

@@ -147,13 +147,10 @@ def batch_size(batch: Any) -> int:
 def first_batch(factory: Any) -> Any:
     """The first batch ``factory()`` yields, or None (read before training starts; the RNG states are restored
     after it, so a ``train_data`` drawing from the global generators trains as it would)."""
-    from ampaudit.train.checkpoint import capture_rng, restore_rng
+    from ampaudit.runtime.replay_state import rng_kept
 
-    rng = capture_rng()
-    try:
+    with rng_kept():
         return next(iter(factory()), None)
-    finally:
-        restore_rng(rng)
 
 
 def first_batch_size(factory: Any) -> int:

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.errors import TrainError, UsageError
-from ampaudit.train.checkpoint import capture_rng, restore_rng
+from ampaudit.runtime.replay_state import rng_snapshot
 from ampaudit.train.data import as_factory, split_batch
 from ampaudit.train.data import batch_size
 
@@ -111,7 +111,7 @@ class Evaluator:
     def run(self, model: nn.Module, step: int, *, masters: Any = None) -> dict[str, Any]:
         """Evaluate ``model`` (O2: ``masters`` hold its FP32 weights); return the ``eval`` event's fields."""
         t0 = time.perf_counter()
-        rng = capture_rng()     # eval_data may draw from the global generators; training must not notice
+        restore_rng = rng_snapshot()     # eval_data may draw from the global generators; training must not notice
         modes = [(m, m.training) for m in model.modules()]
         fp32_state = None if masters is None else self._fp32_state(model, masters)
         try:
@@ -129,7 +129,7 @@ class Evaluator:
         finally:
             for m, training in modes:
                 m.training = training
-            restore_rng(rng)
+            restore_rng()
         if not weights:
             raise TrainError("eval_data() yielded no batches", hint="make it yield (inputs, target) pairs")
         result: dict[str, Any] = {"dtype": name_of(self.dtype), "batches": len(weights), "samples": sum(weights)}

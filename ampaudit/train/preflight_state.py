@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampaudit.dtypes import name_of, unit_roundoff
 from ampaudit.policy import settings
-from ampaudit.runtime.swamping import LOW_FLOATS, low_precision, written_tensors
+from ampaudit.runtime.swamp_targets import LOW_FLOATS, low_precision, written_tensors
 from ampaudit.train.preflight_check import Check
 
 SHOWN = 4
@@ -60,7 +60,7 @@ def updated_in_forward(model: nn.Module, batch: Any, *, dtype: torch.dtype,
                        skip: Iterable[torch.Tensor] = ()) -> list[tuple[str, str, torch.Tensor]]:
     """``(name, kind, tensor)`` of each low-precision parameter or buffer (less ``skip``) that one forward of
     ``batch`` writes into; the model and the RNG are left as they were."""
-    from ampaudit.train.checkpoint import capture_rng, restore_rng
+    from ampaudit.runtime.replay_state import rng_snapshot
     from ampaudit.train.data import split_batch
 
     skipped = {id(t) for t in skip}
@@ -75,7 +75,7 @@ def updated_in_forward(model: nn.Module, batch: Any, *, dtype: torch.dtype,
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     args, kwargs, _ = split_batch(batch, device)
-    recorder, rng = _WriteRecorder(watched), capture_rng()
+    recorder, restore_rng = _WriteRecorder(watched), rng_snapshot()
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), recorder:
             model(*args, **kwargs)
@@ -83,7 +83,7 @@ def updated_in_forward(model: nn.Module, batch: Any, *, dtype: torch.dtype,
         with torch.no_grad():
             for key, value in recorder.saved.items():
                 watched[key][2].copy_(value)
-        restore_rng(rng)
+        restore_rng()
     return [watched[key] for key in recorder.saved
             if low_precision(watched[key][2]) and id(watched[key][2]) not in skipped]
 

@@ -6,16 +6,14 @@ built-in :class:`~ampaudit.train.trainer.Trainer` on a copy, in memory.
     events = train_events(model, policy, TrainHooks(train_data, loss_fn, make_optimizer), steps=34, opt_level="O2")
 
 Both run on a deep copy: the user's model, its buffers and the RNG states are left as they were, and nothing is
-written to disk (the trace is a :class:`~ampaudit.runtime.trace.TraceWriter` over a string buffer; the loss scaler
+written to disk (the trace is a :class:`~ampaudit.runtime.trace.MemoryTrace`; the loss scaler
 never halts, so no halt checkpoint is written). The measures are the runtime's own: the swamping meter
 (:mod:`ampaudit.runtime.swamping`) and the watch's precursor meters, on every step.
 """
 from __future__ import annotations
 
 import copy
-import io
 import itertools
-import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,9 +26,8 @@ from ampaudit.api import TRAINING
 from ampaudit.dtypes import name_of
 from ampaudit.errors import InputError, UsageError
 from ampaudit.policy import Policy
-from ampaudit.runtime.replay_state import float_tensors, model_device
+from ampaudit.runtime.replay_state import float_tensors, model_device, rng_snapshot
 from ampaudit.simulate import target_autocast
-from ampaudit.train.checkpoint import capture_rng, restore_rng
 from ampaudit.train.masters import LOW_PRECISION, cast_model_o2, check_opt_level, o2_mastered
 
 # A forward of the copy that fails is a note, not an error: the calibration itself already ran the model.
@@ -68,7 +65,7 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
     twin.train()
     meter = SwampMeter(twin, mastered=mastered, o2=level == "O2")
     worst: dict[str, dict] = {}
-    rng, note = capture_rng(), None
+    restore_rng, note = rng_snapshot(), None
     try:
         for i, batch in enumerate(batches, 1):
             if not meter.begin(i):
@@ -87,7 +84,7 @@ def forward_updates(model: nn.Module, batches: list[tuple], policy: Policy, *, o
                 if seen is None or _loses_more(row, seen):
                     worst[row["tensor"]] = row
     finally:
-        restore_rng(rng)
+        restore_rng()
     return list(worst.values()), note
 
 
@@ -143,7 +140,7 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
     """``(events, note)``: the trace events of ``steps`` optimizer steps of the built-in Trainer on a copy of
     ``model`` (target dtype ``policy.low`` at ``opt_level``, a CUDA target simulated on CPU as calibration does),
     the watch sampling every step; ``note`` says what it trained on, and how it ended."""
-    from ampaudit.runtime.trace import TraceWriter
+    from ampaudit.runtime.trace import MemoryTrace
     from ampaudit.train.trainer import Trainer
 
     if policy.low not in LOW_PRECISION:
@@ -151,24 +148,23 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
                          hint="use dtype=float16 or bfloat16 with train_steps")
     train_data, loss_fn, words = _data(hooks, example)
     device_type = device_type or model_device(model)
-    buf = io.StringIO()
-    twin, rng = copy.deepcopy(model), capture_rng()
+    trace = MemoryTrace()
+    twin, restore_rng = copy.deepcopy(model), rng_snapshot()
     twin.train()            # a check may be given a model in eval mode; training runs in training mode
     try:
         with warnings.catch_warnings(), target_autocast(policy, device_type, enter_autocast=False):
             warnings.simplefilter("ignore")     # the trainer's start warnings are the trace's preflight event
             trainer = Trainer(twin, loss_fn, train_data, dtype=name_of(policy.low), device=device_type,
-                              opt_level=opt_level, trace=TraceWriter(buf), trace_every=1,
+                              opt_level=opt_level, trace=trace, trace_every=1,
                               optimizer=hooks.optimizer, scheduler=hooks.scheduler, lr=hooks.lr,
                               max_consecutive_skips=None, handle_signals=False, progress=False,
                               meta={"target": "check --calibrate --train-steps"})
             with trainer:
                 result = trainer.fit(steps=steps)
     finally:
-        restore_rng(rng)
-    events = [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
+        restore_rng()
     ended = "" if result.steps >= steps else f"; the data ran out after {result.steps} step(s)"
-    return events, (f"trained a copy {result.steps} step(s) at {opt_level} in {name_of(policy.low)} on {words}"
+    return trace.events, (f"trained a copy {result.steps} step(s) at {opt_level} in {name_of(policy.low)} on {words}"
                     f"{ended}, the runtime's swamping and precursor meters on every step")
 
 

@@ -17,10 +17,11 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.errors import TrainError, UsageError
+from ampaudit.runtime.replay_state import global_rng_state, set_global_rng_state
 from ampaudit.runtime.session import WatchSession
 from ampaudit.train import ddp
 from ampaudit.train import fsdp as fsdp_lib
-from ampaudit.train.checkpoint import LAST, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from ampaudit.train.checkpoint import LAST, load_checkpoint, save_checkpoint
 from ampaudit.train.data import DataStream
 from ampaudit.train.masters import MasterWeights
 from ampaudit.train.scaler import LossScaler
@@ -56,7 +57,7 @@ class TrainerState:
         Collective (the RNG states are gathered)."""
         return {"step": self.step, "data": self._stream.position(), "scaler": self.scaler.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "rng": ddp.gather(capture_rng(), self.dist), "config": self._config(), **self._recipe_state()}
+                "rng": ddp.gather(global_rng_state(), self.dist), "config": self._config(), **self._recipe_state()}
 
     def _recipe_state(self) -> dict[str, Any]:
         """A plan's layers: each one's current recipe (a fallback may have switched it) and the recipe statistics'
@@ -120,7 +121,7 @@ class TrainerState:
         self.step = int(state["step"])
         self._stream.seek(state["data"])
         rng = state["rng"]
-        restore_rng(rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0])
+        set_global_rng_state(rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0])
 
     def save_checkpoint(self, name: str = LAST, directory: Path | None = None) -> Path | None:
         """Write the state atomically to ``directory/name`` (rank 0); return the path (None on other ranks)."""
