@@ -176,3 +176,33 @@ def test_a_module_whose_re_run_raises_costs_its_own_error_only():
         rows = compare_to_fp32(Net(), (torch.randn(4, 8),), {}, dtype=torch.bfloat16)
     assert {r["module"] for r in rows} >= {"fc", "once"}
     assert any("own error of once skipped" in n for n in notes)
+
+
+class OverflowThenChain(nn.Module):
+    """resnet152's pattern at random init: one layer's output passes fp16's max, the layers after it are fed inf.
+    Beside it efficientnet's squeeze-excitation gate: a layer whose exact answer (~2.4e-8) is all below fp16's
+    smallest subnormal, while its fp16 weights (3e-8 rounds to 6e-8) give one subnormal step."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        self.chain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        self.gate = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+            self.gate.weight.fill_(3e-8)
+            self.gate.bias.zero_()
+
+    def forward(self, x):
+        return self.chain(self.up(x)) * torch.sigmoid(self.gate(torch.sigmoid(x) * 0.1))
+
+
+def test_an_overflow_is_named_where_it_happens_not_at_every_module_fed_its_inf():
+    torch.manual_seed(0)
+    report = ampaudit.check(OverflowThenChain(), torch.randn(8, 16), calibrate=True)
+    div = {f.module: f for f in report.findings if f.rule == "AMP701"}
+    assert list(div) == ["up"] and div["up"].severity == "error"           # chain.*: NaN on inf inputs
+    assert [f.module for f in nonfinite(report)] == ["up"]
+    assert "up" in {f.module for f in report.findings if f.rule == "AMP501"}
+    # gate's exact answer is all zero in fp16: its own error divides by that zero (inf). AMP503 says so.
+    assert "gate" in {f.module for f in report.findings if f.rule == "AMP503"}

@@ -25,7 +25,12 @@ the exact answer in its output dtype loses (``rounding``: module -> that sum of 
 normal range each rounding loses at most a unit roundoff, so the excuse stays under the lines there and only
 covers modules that see values in the dtype's subnormals (a random-init net whose activations are ~1e-5 in
 fp16), which AMP503 reports where they are produced. Cancellation is still caught: rounding 0.2 u of its
-inputs does not explain a difference that comes out 30% wrong.
+inputs does not explain a difference that comes out 30% wrong. A non-finite own error is not the module's code
+either when rounding alone already lost everything around it: its inputs were inf in the dtype before it ran
+(an overflow upstream, reported where it happens: AMP501, and AMP601/AMP701 at the module that makes it; every
+module after it reads NaN against FP32), or at least ``rounding_total`` (a relative L2 of 1: the whole tensor)
+was lost, where its exact answer or its inputs flush to zero (AMP503) and the relative error divides by a
+reference that is zero in the dtype.
 
 With own errors, a composite's value no longer holds its children's, so a flagged child does not excuse its
 parent and vice versa. One exception stays: a non-finite own error of a module with a non-finite descendant is
@@ -106,6 +111,18 @@ def _why(rule: str, v: float, units: float, ratio: float | None, median: float |
             f"though under the {settings()['calibration']['divergence_warning_u']} u line")
 
 
+def _rounding_explains(v: float, lost: float | None) -> bool:
+    """Whether ``lost`` (what rounding alone loses around a module, None: not measured) explains its own error
+    ``v``: a finite one at most ``rounding_explains`` times it; a non-finite one when rounding lost everything
+    already (inputs inf in the dtype, or at least ``rounding_total`` of the tensor flushed to zero)."""
+    if lost is None:
+        return False
+    cfg = settings()["attribution"]
+    if math.isfinite(v):
+        return math.isfinite(lost) and v <= float(cfg["rounding_explains"]) * lost
+    return not math.isfinite(lost) or lost >= float(cfg["rounding_total"])
+
+
 def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *,
              inherited: bool = False, rounding: Mapping[str, float | None] | None = None) -> list[Culprit]:
     """The flagged modules of ``own`` (module -> own error; None: not measured), worst first.
@@ -114,13 +131,9 @@ def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *
     dtype = low_dtype(dtype)
     u = unit_roundoff(dtype)
     median, peers = peer_median(own)
-    explain = float(settings()["attribution"]["rounding_explains"])
     judged: dict[str, tuple[float, tuple[str, str, float]]] = {}
     for name, v in own.items():
-        if v is None:
-            continue
-        lost = (rounding or {}).get(name)
-        if lost is not None and math.isfinite(v) and math.isfinite(lost) and v <= explain * lost:
+        if v is None or _rounding_explains(v, (rounding or {}).get(name)):
             continue
         verdict = _verdict(v, dtype, median)
         if verdict is not None:
