@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ampaudit.policy import settings, unit_roundoff
-from ampaudit.runtime.attribution import crosses, culprits, first_crossing, peer_median
+from ampaudit.runtime.attribution import crosses, culprits, fed_nonfinite, first_crossing, peer_median
 
 U = unit_roundoff(torch.bfloat16)
 
@@ -94,7 +94,11 @@ def test_a_non_finite_own_error_is_rounding_s_when_rounding_already_lost_everyth
     own = {f"m{i}": 0.8 * u for i in range(8)} | {"over": math.inf, "after": math.nan, "se.fc2": math.inf,
                                                    "log": math.inf}
     rounding = {"over": 2 * u, "after": math.inf, "se.fc2": 0.6 + 1.0, "log": 0.9 * 1.0 + u}
-    found = culprits(own, torch.float16, rounding=rounding)
+    found = culprits(own, torch.float16, rounding=rounding, fed_inf=["after"])
     assert [(c.module, c.rule) for c in found] == [("over", "nonfinite"), ("log", "nonfinite")]
     assert [c.module for c in culprits(own, torch.float16)] == ["after", "over", "se.fc2", "log"]   # unexcused
     assert settings()["attribution"]["rounding_total"] == 1.0
+    # Only the inputs' inf excuses: an exact answer that is itself inf/NaN in FP32 (output rounding inf) does not.
+    assert "after" in {c.module for c in culprits({**own, "after": math.inf}, torch.float16, rounding=rounding)}
+    assert fed_nonfinite({"local_input_rel_l2": math.inf}) and not fed_nonfinite({"local_input_rel_l2": 0.5})
+    assert not fed_nonfinite({"output_rel_l2": math.inf})
