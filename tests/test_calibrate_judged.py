@@ -206,3 +206,29 @@ def test_an_overflow_is_named_where_it_happens_not_at_every_module_fed_its_inf()
     assert "up" in {f.module for f in report.findings if f.rule == "AMP501"}
     # gate's exact answer is all zero in fp16: its own error divides by that zero (inf). AMP503 says so.
     assert "gate" in {f.module for f in report.findings if f.rule == "AMP503"}
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_batchnorm_never_updated_is_said_since_eval_mode_does_not_normalise_there():
+    # resnet152 at random init: eval-mode BatchNorm with its initial statistics is an identity, the activations
+    # grow to inf in fp16 where a train-mode forward keeps them near 1. The report says which it measured.
+    torch.manual_seed(0)
+    model, x = ConvBN(), torch.randn(2, 3, 8, 8)
+    notes = ampaudit.check(model, x, device="cuda", dtype="bfloat16", calibrate=True).notes
+    said = [n for n in notes if "BatchNorm layer(s) never updated" in n]
+    assert len(said) == 1 and "(bn: running mean 0, variance 1)" in said[0]
+    model.train()
+    with torch.no_grad():
+        model(x)                                  # one training-mode forward: the statistics are the data's
+    model.eval()
+    notes = ampaudit.check(model, x, device="cuda", dtype="bfloat16", calibrate=True).notes
+    assert not [n for n in notes if "never updated" in n]
