@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ampaudit.policy import settings, unit_roundoff
-from ampaudit.runtime.attribution import crosses, culprits, first_crossing, peer_median
+from ampaudit.runtime.attribution import crosses, culprits, fed_nonfinite, first_crossing, peer_median
 
 U = unit_roundoff(torch.bfloat16)
 
@@ -83,3 +83,22 @@ def test_rounding_only_excuses_what_it_explains():
     own = {f"m{i}": 0.8 * u for i in range(8)} | {"bad": 40 * u}
     assert [c.module for c in culprits(own, torch.bfloat16, rounding={"bad": 2 * u})] == ["bad"]
     assert culprits(own, torch.bfloat16, rounding={"bad": 25 * u}) == []
+
+
+def test_a_non_finite_own_error_is_rounding_s_when_rounding_already_lost_everything():
+    # resnet152 at random init in fp16: layer3.16.conv1's output overflows (its own inf, inputs finite); every
+    # module after it is fed inf (its FP32 input rounded to fp16) and reads NaN: the overflow reaching it, not
+    # its code. efficientnet's squeeze-excitation fc2 at absmax 2e-8: its exact answer is all zero in fp16
+    # (output rounding loses 1.0) and its own error divides by that zero reference: inf, not its code either.
+    u = 2.0 ** -11
+    own = {f"m{i}": 0.8 * u for i in range(8)} | {"over": math.inf, "after": math.nan, "se.fc2": math.inf,
+                                                   "log": math.inf}
+    rounding = {"over": 2 * u, "after": math.inf, "se.fc2": 0.6 + 1.0, "log": 0.9 * 1.0 + u}
+    found = culprits(own, torch.float16, rounding=rounding, fed_inf=["after"])
+    assert [(c.module, c.rule) for c in found] == [("over", "nonfinite"), ("log", "nonfinite")]
+    assert [c.module for c in culprits(own, torch.float16)] == ["after", "over", "se.fc2", "log"]   # unexcused
+    assert settings()["attribution"]["rounding_total"] == 1.0
+    # Only the inputs' inf excuses: an exact answer that is itself inf/NaN in FP32 (output rounding inf) does not.
+    assert "after" in {c.module for c in culprits({**own, "after": math.inf}, torch.float16, rounding=rounding)}
+    assert fed_nonfinite({"local_input_rel_l2": math.inf}) and not fed_nonfinite({"local_input_rel_l2": 0.5})
+    assert not fed_nonfinite({"output_rel_l2": math.inf})

@@ -176,3 +176,59 @@ def test_a_module_whose_re_run_raises_costs_its_own_error_only():
         rows = compare_to_fp32(Net(), (torch.randn(4, 8),), {}, dtype=torch.bfloat16)
     assert {r["module"] for r in rows} >= {"fc", "once"}
     assert any("own error of once skipped" in n for n in notes)
+
+
+class OverflowThenChain(nn.Module):
+    """resnet152's pattern at random init: one layer's output passes fp16's max, the layers after it are fed inf.
+    Beside it efficientnet's squeeze-excitation gate: a layer whose exact answer (~2.4e-8) is all below fp16's
+    smallest subnormal, while its fp16 weights (3e-8 rounds to 6e-8) give one subnormal step."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        self.chain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        self.gate = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+            self.gate.weight.fill_(3e-8)
+            self.gate.bias.zero_()
+
+    def forward(self, x):
+        return self.chain(self.up(x)) * torch.sigmoid(self.gate(torch.sigmoid(x) * 0.1))
+
+
+def test_an_overflow_is_named_where_it_happens_not_at_every_module_fed_its_inf():
+    torch.manual_seed(0)
+    report = ampaudit.check(OverflowThenChain(), torch.randn(8, 16), calibrate=True)
+    div = {f.module: f for f in report.findings if f.rule == "AMP701"}
+    assert list(div) == ["up"] and div["up"].severity == "error"           # chain.*: NaN on inf inputs
+    assert [f.module for f in nonfinite(report)] == ["up"]
+    assert "up" in {f.module for f in report.findings if f.rule == "AMP501"}
+    # gate's exact answer is all zero in fp16: its own error divides by that zero (inf). AMP503 says so.
+    assert "gate" in {f.module for f in report.findings if f.rule == "AMP503"}
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_batchnorm_never_updated_is_said_since_eval_mode_does_not_normalise_there():
+    # resnet152 at random init: eval-mode BatchNorm with its initial statistics is an identity, the activations
+    # grow to inf in fp16 where a train-mode forward keeps them near 1. The report says which it measured.
+    torch.manual_seed(0)
+    model, x = ConvBN(), torch.randn(2, 3, 8, 8)
+    notes = ampaudit.check(model, x, device="cuda", dtype="bfloat16", calibrate=True).notes
+    said = [n for n in notes if "BatchNorm layer(s) never updated" in n]
+    assert len(said) == 1 and "(bn: running mean 0, variance 1)" in said[0]
+    model.train()
+    with torch.no_grad():
+        model(x)                                  # one training-mode forward: the statistics are the data's
+    model.eval()
+    notes = ampaudit.check(model, x, device="cuda", dtype="bfloat16", calibrate=True).notes
+    assert not [n for n in notes if "never updated" in n]

@@ -228,3 +228,17 @@ def test_stats_counts_become_evidence(tmp_path):
     keep = s["recommendations"][0]
     assert keep["kind"] == "keep_fp32" and keep["modules"] == ["bn", "pool"]
     assert "bn (non-finite output in 2 passes), pool (3 values above the dtype's max)" in keep["message"]
+
+
+def test_a_module_fed_an_upstream_inf_is_not_a_culprit_of_the_run(tmp_path):
+    # ampaudit report gives check --calibrate's verdict: "after" reads NaN only at the step its inputs were inf
+    # in fp16 (an overflow in "over", named); "late" had its own inf at another step and stays named.
+    steps = [{"loss": 1.0, "scale": 1024.0, "skipped": False} for _ in range(3)]
+    local = [("divergence", 1, {"module": "over", "scope": "local", "rel_l2": "inf", "input_rel_l2": 2e-4}),
+             ("divergence", 1, {"module": "after", "scope": "local", "rel_l2": "nan", "input_rel_l2": "inf"}),
+             ("divergence", 2, {"module": "after", "scope": "local", "rel_l2": 3e-4, "input_rel_l2": 2e-4}),
+             ("divergence", 1, {"module": "late", "scope": "local", "rel_l2": "nan", "input_rel_l2": "inf"}),
+             ("divergence", 2, {"module": "late", "scope": "local", "rel_l2": "inf", "input_rel_l2": 2e-4})]
+    local += [("divergence", 1, {"module": f"fc{i}", "scope": "local", "rel_l2": 3e-4}) for i in range(6)]
+    s = summarize_trace(_write(tmp_path / "fed.jsonl", steps, local))
+    assert sorted(c["module"] for c in s["divergence"]["culprits"]) == ["late", "over"]

@@ -91,6 +91,7 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
 
     batches = list(batches)
     device_type = device_type or model_device(unwrap(model))
+    _note_untrained_norms(model)
     cal = Calibration(policy=policy, batches=0, backward=backward_label(loss_fn, batches, origin))
     # The measurements enter autocast around their forwards only; on CPU, a CUDA target is simulated.
     def policy_on():
@@ -142,6 +143,36 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             if value > limit:
                 cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
+
+
+def untrained_norms(model: nn.Module) -> list[str]:
+    """The BatchNorm layers of ``model`` whose running statistics were never updated (no batch tracked, mean 0,
+    variance 1): in eval mode, which calibration runs in, such a layer is an identity and normalises nothing."""
+    found = []
+    for name, mod in unwrap(model).named_modules():
+        if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.running_mean is None:
+            continue
+        tracked = mod.num_batches_tracked
+        if (tracked is None or int(tracked) == 0) and not bool(mod.running_mean.any()) \
+                and bool((mod.running_var == 1).all()):
+            found.append(name)
+    return found
+
+
+def _note_untrained_norms(model: nn.Module) -> None:
+    # A model checked before its first training step (random init) keeps BatchNorm's initial statistics. In eval
+    # mode its activations then drift layer by layer (a random-init resnet152 reaches inf in fp16, efficientnet's
+    # fall into the subnormals) where training normalises by each batch: the findings are true of these weights in
+    # eval mode, not of training, and the report must say which it measured.
+    from ampaudit.notes import note
+
+    names = untrained_norms(model)
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        note(f"calibrated in eval mode with {len(names)} BatchNorm layer(s) never updated ({names[0]}{more}: "
+             "running mean 0, variance 1), which normalise nothing there: an untrained model's activations can "
+             "drift to ranges training, normalising by each batch, never sees; calibrate trained weights for "
+             "training's ranges")
 
 
 def merge_decisions(into: list[dict], rows: list[dict]) -> None:

@@ -51,17 +51,25 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
     """The flagged modules of the ranked scope (:func:`ampaudit.runtime.attribution.culprits` on each module's
     worst value): the verdict ``check --calibrate`` gives. Own errors (scope "local") are judged on their own;
     other scopes accumulate from the input on and are judged as inherited (a module below explains its parents)."""
-    from ampaudit.runtime.attribution import culprits, rounding_around
+    from ampaudit.runtime.attribution import culprits, fed_nonfinite, rounding_around
 
     if scope is None:
         return []
     worst = {r["module"]: r["max_rel_l2"] for r in tables.get(scope, [])}
     rounding: dict[str, float] = {}
+    # module -> whether every non-finite own error it had came on inputs already inf in the dtype
+    fed: dict[str, bool] = {}
     for d in data.divergence:
-        lost = rounding_around(d) if d["scope"] == scope else None
+        if d["scope"] != scope:
+            continue
+        lost = rounding_around(d)
         if lost is not None and math.isfinite(lost):
             rounding[d["module"]] = max(lost, rounding.get(d["module"], 0.0))
-    return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding)
+        value = d.get("rel_l2")
+        if value is not None and not math.isfinite(value):
+            fed[d["module"]] = fed.get(d["module"], True) and fed_nonfinite(d)
+    return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding,
+                    fed_inf=[m for m, all_fed in fed.items() if all_fed])
 
 
 def rank_by_verdict(rows: list[dict], found: list) -> list[dict]:

@@ -25,7 +25,12 @@ the exact answer in its output dtype loses (``rounding``: module -> that sum of 
 normal range each rounding loses at most a unit roundoff, so the excuse stays under the lines there and only
 covers modules that see values in the dtype's subnormals (a random-init net whose activations are ~1e-5 in
 fp16), which AMP503 reports where they are produced. Cancellation is still caught: rounding 0.2 u of its
-inputs does not explain a difference that comes out 30% wrong.
+inputs does not explain a difference that comes out 30% wrong. A non-finite own error is not the module's code
+either when rounding alone already lost everything around it: its inputs were inf in the dtype before it ran
+(``fed_inf``: an overflow upstream, reported where it happens: AMP501, and AMP601/AMP701 at the module that
+makes it; every module after it reads NaN against FP32), or at least ``rounding_total`` (a relative L2 of 1: the
+whole tensor) was lost, where its exact answer or its inputs flush to zero (AMP503) and the relative error
+divides by a reference that is zero in the dtype. An exact answer that is itself non-finite excuses nothing.
 
 With own errors, a composite's value no longer holds its children's, so a flagged child does not excuse its
 parent and vice versa. One exception stays: a non-finite own error of a module with a non-finite descendant is
@@ -106,21 +111,32 @@ def _why(rule: str, v: float, units: float, ratio: float | None, median: float |
             f"though under the {settings()['calibration']['divergence_warning_u']} u line")
 
 
+def _rounding_explains(v: float, lost: float | None, fed_inf: bool) -> bool:
+    """Whether rounding alone explains own error ``v``: ``lost`` (what rounding loses around the module, None: not
+    measured) at least ``v`` / ``rounding_explains``; for a non-finite ``v``, inputs already inf in the dtype
+    (``fed_inf``) or at least ``rounding_total`` of the tensor lost (flushed to zero)."""
+    cfg = settings()["attribution"]
+    if lost is not None and not math.isfinite(lost):
+        lost = None      # no ratio to it: inputs already inf are fed_inf's case, an exact answer inf in FP32 none
+    if math.isfinite(v):
+        return lost is not None and v <= float(cfg["rounding_explains"]) * lost
+    return fed_inf or (lost is not None and lost >= float(cfg["rounding_total"]))
+
+
 def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *,
-             inherited: bool = False, rounding: Mapping[str, float | None] | None = None) -> list[Culprit]:
+             inherited: bool = False, rounding: Mapping[str, float | None] | None = None,
+             fed_inf: Iterable[str] = ()) -> list[Culprit]:
     """The flagged modules of ``own`` (module -> own error; None: not measured), worst first.
     ``inherited``: the values accumulate from the input on (scope ``global``); ``rounding``: module -> what
-    rounding alone loses around it (:func:`rounding_around`), for the excuse the module docstring describes."""
+    rounding alone loses around it (:func:`rounding_around`), ``fed_inf``: the modules whose inputs were inf or
+    NaN in the dtype before they ran (:func:`fed_nonfinite`), for the excuses the module docstring describes."""
+    fed_inf = set(fed_inf)
     dtype = low_dtype(dtype)
     u = unit_roundoff(dtype)
     median, peers = peer_median(own)
-    explain = float(settings()["attribution"]["rounding_explains"])
     judged: dict[str, tuple[float, tuple[str, str, float]]] = {}
     for name, v in own.items():
-        if v is None:
-            continue
-        lost = (rounding or {}).get(name)
-        if lost is not None and math.isfinite(v) and math.isfinite(lost) and v <= explain * lost:
+        if v is None or _rounding_explains(v, (rounding or {}).get(name), name in fed_inf):
             continue
         verdict = _verdict(v, dtype, median)
         if verdict is not None:
@@ -151,6 +167,13 @@ def rounding_around(row: Mapping) -> float | None:
     parts = [row.get(k, row.get("local_" + k)) for k in ("input_rel_l2", "output_rel_l2")]
     parts = [p for p in parts if p is not None]
     return sum(parts) if parts else None
+
+
+def fed_nonfinite(row: Mapping) -> bool:
+    """Whether a module's inputs (a composite's children's outputs included) were already inf or NaN when rounded
+    to their real dtypes (``input_rel_l2`` of a local divergence row, ``local_`` in calibration's, non-finite)."""
+    lost = row.get("input_rel_l2", row.get("local_input_rel_l2"))
+    return lost is not None and not math.isfinite(lost)
 
 
 def crosses(culprit: Culprit, value: float | None) -> bool:
