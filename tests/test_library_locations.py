@@ -153,10 +153,12 @@ def test_the_table_and_json_mark_the_library_line(library_report):
     from rich.console import Console
 
     from ampaudit.report.console import render_report
+    from ampaudit.testing import format_findings
 
     console = Console(record=True, width=200)
     render_report(library_report, console)
     assert f"{FILE}:{_line(NET, 'FC_LINE')} (library)" in console.export_text()
+    assert f"{FILE}:{_line(NET, 'FC_LINE')} (library)" in format_findings(library_report.findings, width=200)
     data = json.loads(json.dumps(library_report.to_dict()))
     assert data["version"] == "1.2"
     assert {json.dumps(f["location"], sort_keys=True) for f in data["findings"]} >= {
