@@ -200,4 +200,6 @@ def test_fix_refuses_the_library_line_and_leaves_it_alone(tinymodels, tmp_path):
     assert not result.changed and library_file.read_text() == before
     refused = [r for r in result.plan.refusals if r.rule == "AMP101"]
     assert refused and all(r.file == FILE and "installed package" in r.reason for r in refused)
+    # What is true of a library's Linear: the module-tree rewrite pads it (its library has no option for it).
+    assert all(r.instead == "ampaudit fix --pad -o DIR" for r in refused)
     assert any(f"not fixed: AMP101 {FILE}:{_line(NET, 'FC_LINE')}" in line for line in result.lines())

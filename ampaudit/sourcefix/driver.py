@@ -273,13 +273,17 @@ def _touches_ignored(src: Source, edit: Edit, names: tuple[str, ...]) -> bool:
 
 
 def _library_instead(f: Finding, kind: str, capture: str) -> str:
-    from ampaudit.rules.engine import untraceable
+    from ampaudit.rules.engine import module_fixable, untraceable
 
     if kind == "pad_to_multiple":
-        text = "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad -o DIR"
+        # The library's own option exists for its embeddings (a Hugging Face model's vocabulary); any Linear,
+        # Embedding or Conv is padded by the module-tree rewrite, whatever captured the model.
+        own = "the library's own option, resize_token_embeddings(n, pad_to_multiple_of=8), or " \
+            if f.op == "embedding" else ""
+        text = own + "ampaudit fix --pad -o DIR"
     else:
         text = keep_fp32_instead(f.module, " in your code,")
-    return text if capture == "fx" else untraceable(text, f.module)
+    return text if capture == "fx" or module_fixable(f) else untraceable(text, f.module)
 
 
 def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -> dict:
