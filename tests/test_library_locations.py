@@ -203,3 +203,14 @@ def test_fix_refuses_the_library_line_and_leaves_it_alone(tinymodels, tmp_path):
     # What is true of a library's Linear: the module-tree rewrite pads it (its library has no option for it).
     assert all(r.instead == "ampaudit fix --pad -o DIR" for r in refused)
     assert any(f"not fixed: AMP101 {FILE}:{_line(NET, 'FC_LINE')}" in line for line in result.lines())
+
+
+def test_a_measured_findings_library_source_is_marked_too(tinymodels):
+    # Calibration's locators report "file:line" (module_stack.model_location); the finding's location is built
+    # from it by the same rule as a static one's.
+    from ampaudit.rules.engine import location_of
+    from ampaudit.rules.matchers.calibrated import _source
+
+    loc = location_of(_source(f"{tinymodels.__file__}:{_line(NET, 'FC_LINE')}"))
+    assert loc == {"file": FILE, "line": _line(NET, "FC_LINE"), "library": True}
+    assert location_of(_source(f"{__file__}:3")) == {"file": __file__, "line": 3}

@@ -4,10 +4,10 @@
 
 A ``TorchDispatchMode`` sees each aten op with its tensors; module forward hooks keep a stack of the modules whose
 forward is running, so each op is attributed to the innermost one (the module whose own code ran it), and the
-Python stack gives its line (the user's, else the model library's: ``ampaudit.capture.source_lines``). The ops are written into a straight-line fx graph (parameters as get_attr
-nodes under their own names), so propagation and rules run on it exactly as on an fx or export capture. The
-forward runs for real once in fp32 (on the meta device for a meta model); the graph is the path those inputs took,
-so it cannot be rewritten by ``fix``.
+Python stack gives its line (the user's, else the model library's: ``ampaudit.capture.source_lines``). The ops
+are written into a straight-line fx graph (parameters as get_attr nodes under their own names), so propagation
+and rules run on it exactly as on an fx or export capture. The forward runs for real once in fp32 (on the meta
+device for a meta model); the graph is the path those inputs took, so it cannot be rewritten by ``fix``.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@
 error -> ``::error``, warning -> ``::warning``, info -> ``::notice``. Repeated findings (the same rule and
 message up to its numbers, ``report.groups``) on one source line are one annotation naming their modules (every
 block of a model built in a loop shares the loop's line). A finding without a source line is
-annotated without ``file``/``line`` (GitHub lists it on the run's summary); so is one on an installed library's line
-(a transformers model's own code: not a file of the pull request), its message saying the library's ``file:line``. Escaping follows the Actions
-toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,`` in properties.
+annotated without ``file``/``line`` (GitHub lists it on the run's summary); so is one on an installed library's
+line (a transformers model's own code: not a file of the pull request), its message saying the library's
+``file:line``. Escaping follows the Actions toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,``
+in properties.
 """
 from __future__ import annotations
 
