@@ -16,8 +16,9 @@ Every capture asks this for every op (fx and dispatch from the running Python st
 4. else None (a model of torch modules only: no line, rather than the line of whatever called the audit).
 
 Frames of torch, ampaudit and the standard library never count. The runtime locators follow rules 1, 3 and 4
-(:func:`ampaudit.runtime.module_stack.model_location`), so a static finding and a measured one on the same op of
-a library model name the same line. The report marks a library's line as such (``ampaudit.rules.engine``).
+(:func:`ampaudit.runtime.module_stack.model_location`: they are not told the model's packages), so a static and
+a measured finding on the same op of a library model name the same line wherever its innermost library frame is
+the model package's. The report marks a library's line as such (``ampaudit.rules.engine``).
 
 Cost: a frame's kind is one dict lookup (:func:`ampaudit.user_code.frame_kind`); the ``SourceLoc`` of one code
 location (its linecache read) is built once; an export stack string is parsed once however many nodes share it
