@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-REPORT_VERSION = "1.1"   # 1.1: each finding has "group"
+REPORT_VERSION = "1.2"   # 1.1: each finding has "group"; 1.2: a library's location says "library": true
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
 # Families about speed (a slower kernel), not about wrong numbers: safety gates (assert_amp_safe, the pytest
 # fixture) leave them out unless asked to (speed=True).
@@ -28,7 +28,7 @@ class Finding:
     module: str
     op: str
     message: str
-    location: dict | None = None          # {"file": str, "line": int}
+    location: dict | None = None          # {"file": str, "line": int}, and "library": True on a library's line
     fix: str | None = None
     why: str = ""
     details: dict[str, Any] = field(default_factory=dict)
@@ -36,6 +36,11 @@ class Finding:
     node: str | None = None               # name of the fx node it was found on (what `fix` rewrites)
     autofix: dict = field(default_factory=lambda: {"kind": "none"})   # the rule's: how `fix` treats it
     fix_nodes: list[str] = field(default_factory=list)                 # more nodes the fix changes with `node`
+
+    @property
+    def library(self) -> bool:
+        """True when the finding's line is an installed library's (a transformers model's own code)."""
+        return bool(self.location and self.location.get("library"))
 
     @property
     def is_speed(self) -> bool:
@@ -47,6 +52,16 @@ class Finding:
                 "module": self.module, "op": self.op, "message": self.message, "location": self.location,
                 "fix": self.fix, "why": self.why, "node": self.node, "details": _jsonable(self.details),
                 "autofix": {k: self.autofix[k] for k in ("kind", "safety") if k in self.autofix}}
+
+
+def location_text(location: dict | None, short=lambda path: path) -> str:
+    """``file:line`` of a finding's location (``short`` shortens a user's path), ``file:line (library)`` for an
+    installed library's, "-" for none."""
+    if not location:
+        return "-"
+    if location.get("library"):
+        return f"{location['file']}:{location['line']} (library)"
+    return f"{short(location['file'])}:{location['line']}"
 
 
 def _jsonable(value: Any) -> Any:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ampaudit.errors import UsageError
-from ampaudit.findings import SEVERITY_RANK, Finding, Report
+from ampaudit.findings import SEVERITY_RANK, Finding, Report, location_text
 
 __all__ = ["assert_amp_safe", "AmpSafetyError", "format_findings"]
 
@@ -42,10 +42,8 @@ class AmpSafetyError(AssertionError):
 
 
 def _where(f: Finding) -> str:
-    if not f.location:
-        return "-"
-    parts = str(f.location.get("file", "")).replace("\\", "/").split("/")
-    return f"{'/'.join(parts[-2:])}:{f.location.get('line')}"
+    # A user's file by its last two parts; a library's line in full below site-packages, marked "(library)".
+    return location_text(f.location, lambda path: "/".join(str(path).replace("\\", "/").split("/")[-2:]))
 
 
 def format_findings(findings: Sequence[Finding], *, width: int = TABLE_WIDTH) -> str:

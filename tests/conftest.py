@@ -63,9 +63,7 @@ def installed_library(tmp_path, monkeypatch):
     folder.mkdir()
     monkeypatch.setattr(user_code, "library_dirs", lambda: (str(folder.resolve()) + os.sep,))
     monkeypatch.setattr(user_code, "_SKIP_DIRS", user_code._SKIP_DIRS + (str(folder.resolve()) + os.sep,))
-    caches = (user_code.is_user_file, user_code.is_library_file)
-    for cached in caches:
-        cached.cache_clear()
+    user_code.clear_caches()
 
     def install(name: str, source: str):
         (folder / f"{name}.py").write_text(source)
@@ -74,9 +72,9 @@ def installed_library(tmp_path, monkeypatch):
         spec.loader.exec_module(module)
         return module
 
+    install.folder = folder      # for a whole package: write it there, put the folder on sys.path
     yield install
-    for cached in caches:
-        cached.cache_clear()
+    user_code.clear_caches()
 
 
 # torchrun's --standalone picks a free port; on a busy shared machine another process can take it first.

@@ -4,10 +4,10 @@
 
 A ``TorchDispatchMode`` sees each aten op with its tensors; module forward hooks keep a stack of the modules whose
 forward is running, so each op is attributed to the innermost one (the module whose own code ran it), and the
-Python stack gives the user's line. The ops are written into a straight-line fx graph (parameters as get_attr
-nodes under their own names), so propagation and rules run on it exactly as on an fx or export capture. The
-forward runs for real once in fp32 (on the meta device for a meta model); the graph is the path those inputs took,
-so it cannot be rewritten by ``fix``.
+Python stack gives its line (the user's, else the model library's: ``ampaudit.capture.source_lines``). The ops
+are written into a straight-line fx graph (parameters as get_attr nodes under their own names), so propagation
+and rules run on it exactly as on an fx or export capture. The forward runs for real once in fp32 (on the meta
+device for a meta model); the graph is the path those inputs took, so it cannot be rewritten by ``fix``.
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def _record(model, args, kwargs, graph, modules, known, consts, device_type, pol
     amp = contextlib.nullcontext() if policy is None else target_autocast(policy, device_type)
     recorder = _Recorder(graph, modules, known, consts)
     # The target's autocast outside the recorder: the simulation's own dispatch mode must not be recorded.
-    with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only():
+    with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only(model):
         return model(*args, **kwargs)
 
 

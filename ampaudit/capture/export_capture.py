@@ -4,7 +4,8 @@
 
 The exported graph holds pre-dispatch aten ops (aten.linear, aten.softmax, aten.layer_norm) with parameters as
 get_attr nodes under their original names; each node's ``nn_module_stack`` and ``stack_trace`` give the module
-path and the user's line, which are written to the same meta keys the fx capture writes.
+path and the op's line (the user's, else the model library's), which are written to the same meta keys the fx
+capture writes.
 """
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ampaudit.capture.fx_capture import Capture, is_user_file
-from ampaudit.graph_meta import SourceLoc, set_origin
+from ampaudit.capture.fx_capture import Capture
+from ampaudit.capture.source_lines import SourceLines
+from ampaudit.graph_meta import set_origin
 from ampaudit.errors import CaptureError
 from ampaudit.policy import Policy
 from ampaudit.simulate import target_autocast
 
 # Checks export inserts; they compute nothing.
 _ASSERTS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
 
 
 def module_path(raw: str) -> str:
@@ -37,23 +38,14 @@ def module_path(raw: str) -> str:
     return path.strip("._")
 
 
-def source_from_stack(stack: str | None) -> SourceLoc | None:
-    """The innermost user frame of an fx/export ``stack_trace`` string."""
-    if not stack:
-        return None
-    found = None
-    for m in _FRAME_RE.finditer(stack):
-        if is_user_file(m.group(1)):
-            found = SourceLoc(m.group(1), int(m.group(2)), m.group(3).strip())
-    return found
-
-
-def annotate(gm: fx.GraphModule) -> None:
-    """Write MODULE_KEY and SOURCE_KEY on every node from ``nn_module_stack`` and ``stack_trace``."""
+def annotate(gm: fx.GraphModule, root: nn.Module | None = None) -> None:
+    """Write MODULE_KEY and SOURCE_KEY on every node from ``nn_module_stack`` and ``stack_trace`` (the stack's
+    line: the user's, else that of ``root``'s library, as :class:`SourceLines` picks it)."""
+    lines = SourceLines(root)
     for n in gm.graph.nodes:
         stack = n.meta.get("nn_module_stack")
         path = module_path(list(stack.values())[-1][0]) if stack else ""
-        set_origin(n, path, source_from_stack(n.meta.get("stack_trace")))
+        set_origin(n, path, lines.of_stack(n.meta.get("stack_trace")))
 
 
 @contextlib.contextmanager
@@ -218,7 +210,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Polic
             continue
         if n.op == "call_module" and "guard" in str(n.target) or getattr(n.target, "_opname", "") in _ASSERTS:
             gm.graph.erase_node(n)
-    annotate(gm)
+    annotate(gm, model)
     gm.graph.lint()
     gm.recompile()
     return Capture(gm=gm, mode="export", root=model)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import linecache
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -23,24 +22,28 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import CaptureError
+from ampaudit.capture.source_lines import SourceLines
 from ampaudit.graph_meta import SourceLoc, set_origin
 from ampaudit.user_code import is_user_file
 from ampaudit.wrappers import unwrap
 
 
 # The frame that started running the model (see model_code_only): frames further out are its caller's (the CLI,
-# typer, pytest, the user's script calling ampaudit.check), not the model's code.
-_OUTERMOST = contextvars.ContextVar("ampaudit_outermost_model_frame", default=None)
+# typer, pytest, the user's script calling ampaudit.check), not the model's code. With it, the capture's
+# SourceLines (which of the frames inside names an op's line: ampaudit.capture.source_lines).
+_OUTERMOST = contextvars.ContextVar("ampaudit_outermost_model_frame", default=(None, None))
 
 
 @contextlib.contextmanager
-def model_code_only():
-    """Within this block, user_frame() looks no further out than the frame that entered it.
+def model_code_only(root: nn.Module | None = None):
+    """Within this block, user_frame() looks no further out than the frame that entered it, and prefers the
+    library code of ``root``'s own module classes where no frame is the user's.
 
     A model made of torch.nn modules alone (a bare ``nn.Linear``) runs no user code at all: its ops then have no
     source line, rather than the line of whatever called the audit.
     """
-    token = _OUTERMOST.set(sys._getframe(2))   # 0: this generator, 1: contextmanager.__enter__, 2: the caller
+    # 0: this generator, 1: contextmanager.__enter__, 2: the caller
+    token = _OUTERMOST.set((sys._getframe(2), SourceLines(root)))
     try:
         yield
     finally:
@@ -48,15 +51,10 @@ def model_code_only():
 
 
 def user_frame() -> SourceLoc | None:
-    """The innermost frame of the running stack that belongs to the user's code."""
-    frame, outermost = sys._getframe(1), _OUTERMOST.get()
-    while frame is not None and frame is not outermost:
-        filename = frame.f_code.co_filename
-        if is_user_file(filename):
-            line = frame.f_lineno
-            return SourceLoc(filename, line, linecache.getline(filename, line).strip())
-        frame = frame.f_back
-    return None
+    """The source line of the running op: the innermost frame of the user's code, else of the model's library
+    (:class:`ampaudit.capture.source_lines.SourceLines`)."""
+    outermost, lines = _OUTERMOST.get()
+    return (lines or SourceLines()).of_running(sys._getframe(1), outermost)
 
 
 def user_frame_of(tb_or_frames) -> SourceLoc | None:
@@ -101,7 +99,7 @@ class AuditTracer(fx.Tracer):
         am._exit_autocast = lambda mode: self.create_proxy("call_function", exit_, (mode,), {})
         am.autocast.__enter__, am.autocast.__exit__ = record_enter, record_exit
         try:
-            with model_code_only():
+            with model_code_only(root if isinstance(root, nn.Module) else None):
                 return super().trace(root, concrete_args)
         finally:
             am._enter_autocast, am._exit_autocast = enter, exit_

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ampaudit.findings import SEVERITY_RANK, Report
+from ampaudit.findings import SEVERITY_RANK, Report, location_text
 from ampaudit.report.groups import group_findings
 
 # Source lines of a group listed under its first (the rest: --format json).
@@ -34,7 +34,7 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
         for g in sorted(groups, key=lambda g: (-SEVERITY_RANK[g.severity], order[id(g)])):
             first = g.findings[0]
             locs = g.locations
-            where = f"{_short(locs[0]['file'])}:{locs[0]['line']}" if locs else "-"
+            where = _where(locs[0]) if locs else "-"
             if len(locs) > 1:
                 where += f" +{len(locs) - 1}"
             body = Text(g.message)
@@ -48,7 +48,7 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
             else:
                 body.append(f"\nin {first.module or '<top module>'}", style="dim")
             if len(locs) > 1:   # what the "+N" of the where column stands for
-                more = ", ".join(f"{_short(loc['file'])}:{loc['line']}" for loc in locs[1:1 + _MORE_LINES])
+                more = ", ".join(_where(loc) for loc in locs[1:1 + _MORE_LINES])
                 rest = len(locs) - 1 - _MORE_LINES
                 body.append(f"\n+{len(locs) - 1} more line(s): {more}" + (f" and {rest} more" if rest > 0 else ""),
                             style="dim")
@@ -66,6 +66,11 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
     console.print(Text(line, style="bold"))
     for note in report.notes:
         console.print(Text(f"note: {note}", style="dim"))
+
+
+def _where(loc: dict) -> str:
+    # A user's file by its last two parts (the project is known); a library's in full below site-packages, marked.
+    return location_text(loc, _short)
 
 
 def _short(path: str) -> str:

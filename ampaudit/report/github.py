@@ -6,12 +6,14 @@
 error -> ``::error``, warning -> ``::warning``, info -> ``::notice``. Repeated findings (the same rule and
 message up to its numbers, ``report.groups``) on one source line are one annotation naming their modules (every
 block of a model built in a loop shares the loop's line). A finding without a source line is
-annotated without ``file``/``line`` (GitHub lists it on the run's summary). Escaping follows the Actions
-toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,`` in properties.
+annotated without ``file``/``line`` (GitHub lists it on the run's summary); so is one on an installed library's
+line (a transformers model's own code: not a file of the pull request), its message saying the library's
+``file:line``. Escaping follows the Actions toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,``
+in properties.
 """
 from __future__ import annotations
 
-from ampaudit.findings import Finding, Report
+from ampaudit.findings import Finding, Report, location_text
 from ampaudit.report.groups import group_findings, module_pattern
 
 COMMAND = {"error": "error", "warning": "warning", "info": "notice"}
@@ -30,13 +32,15 @@ def escape_property(text: str) -> str:
 def annotation(f: Finding, modules: list[str] | None = None) -> str:
     """One ``::level file=F,line=L,title=T::message`` line for ``f`` (found in ``modules``, default its own)."""
     props = []
-    if f.location and f.location.get("file"):
+    if f.location and f.location.get("file") and not f.library:
         props.append(f"file={escape_property(str(f.location['file']).replace(chr(92), '/'))}")
         props.append(f"line={max(1, int(f.location.get('line') or 1))}")
     props.append(f"title={escape_property(f'{f.rule} {f.name}')}")
     modules = modules or [f.module]
     where = (f"module: {modules[0] or '<top>'}" if len(modules) == 1
              else f"{len(modules)} modules: {module_pattern(modules)}")
+    if f.library:
+        where += f"; at {location_text(f.location)}"
     message = f"{f.message} [{where}]"
     if f.fix:
         message += f"\nFix: {f.fix}"

@@ -1,13 +1,17 @@
 """SARIF 2.1.0 for GitHub code scanning: one run, one reportingDescriptor per rule, stable partialFingerprints.
 
     doc = to_sarif(report, rules)       # a dict; json.dump it
+
+A result has a physical location only on a line of the user's code; a finding on an installed library's line (a
+transformers model's own code) is not the project's to annotate: its result has the logical location of its
+module path instead, and says the library's ``file:line`` in its message and properties (docs/locations.md).
 """
 from __future__ import annotations
 
 import hashlib
 
 from ampaudit import __version__
-from ampaudit.findings import Report
+from ampaudit.findings import Report, location_text
 from ampaudit.rules.loader import Rule
 
 SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -41,7 +45,10 @@ def to_sarif(report: Report, rules: list[Rule]) -> dict:
                "message": {"text": f"{f.message} [module: {f.module or '<top>'}]" + (f" Fix: {f.fix}" if f.fix else "")},
                "partialFingerprints": {"ampauditFinding/v1": _fingerprint(f)},
                "properties": {"module": f.module, "op": f.op, "family": f.family}}
-        if f.location:
+        if f.library:
+            res["message"]["text"] += f" [at {location_text(f.location)}]"
+            res["properties"]["libraryLocation"] = dict(f.location)
+        if f.location and not f.library:
             res["locations"] = [{"physicalLocation": {
                 "artifactLocation": {"uri": f.location["file"].replace("\\", "/")},
                 "region": {"startLine": max(1, int(f.location["line"]))}}}]

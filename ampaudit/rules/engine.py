@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.graph_meta import module_of, source_of
+from ampaudit.graph_meta import SourceLoc, module_of, source_of
 from ampaudit.errors import RuleError
 from ampaudit.findings import Finding
 from ampaudit.rules.loader import Rule
 from ampaudit.rules.registry import MATCHERS, Hit, MatchContext, limit_fields
+from ampaudit.user_code import library_path
 
 _IGNORE_RE = re.compile(r"#\s*ampaudit:\s*ignore(?:\[([^\]]*)\])?", re.IGNORECASE)
 
@@ -74,9 +75,21 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     severity = variant.get("severity") or hit.severity or rule.severity
     return Finding(rule=rule.id, name=rule.name, family=rule.family, severity=severity,
                    module=module, op=op, message=message, fix=fix, why=" ".join(why.split()),
-                   location={"file": src.file, "line": src.line} if src else None, details=dict(hit.details),
+                   location=location_of(src) if src else None, details=dict(hit.details),
                    code=src.code if src else "", node=node.name if node is not None else None,
                    autofix=dict(rule.autofix), fix_nodes=[n.name for n in hit.also])
+
+
+def location_of(src: SourceLoc) -> dict:
+    """A finding's location: ``{"file", "line"}`` for a line of the user's (the path as captured, made relative to
+    the project by :func:`relative_location`); for a line of an installed library (a transformers model's own
+    code), ``{"file": "transformers/models/llama/modeling_llama.py", "line", "library": true}``: the path below
+    site-packages, the same for every user, and marked, since it is not the user's to edit or to annotate (SARIF,
+    GitHub and ``fix`` leave it alone: docs/locations.md)."""
+    rel = library_path(src.file)
+    if rel is None:
+        return {"file": src.file, "line": src.line}
+    return {"file": rel, "line": src.line, "library": True}
 
 
 def _first_node_of(ctx: MatchContext, module: str):
@@ -97,7 +110,8 @@ def run_rules(ctx: MatchContext, rules: list[Rule]) -> tuple[list[Finding], int]
                 continue
             f = _finding(ctx, rule, hit)
             loc = f.location or {}
-            if suppressed_by_comment(loc.get("file"), loc.get("line"), rule):
+            # A library's line carries no comment of the user's (and its path is no longer one to read).
+            if not loc.get("library") and suppressed_by_comment(loc.get("file"), loc.get("line"), rule):
                 suppressed += 1
                 continue
             collected.append((order.get(hit.node, len(order)), f))
@@ -142,8 +156,9 @@ def module_fixable(f: Finding) -> bool:
 
 
 def relative_location(f: Finding, base: Path) -> None:
-    """Rewrite the finding's file path relative to ``base`` when it lies below it (stable in reports and SARIF)."""
-    if not f.location:
+    """Rewrite the finding's file path relative to ``base`` when it lies below it (stable in reports and SARIF).
+    A library's location is already relative (to site-packages)."""
+    if not f.location or f.location.get("library"):
         return
     try:
         f.location["file"] = str(Path(f.location["file"]).resolve().relative_to(base.resolve()))

@@ -99,7 +99,9 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
 
     findings = [f for f in aud.report.findings if wanted(f, source_fix_of(by_id.get(f.rule)), named)
                 and (only is None or only(f))]
-    files = {canon(str(Path(f.location["file"]).resolve())) for f in findings}
+    # A library's line (location "library": its path is below site-packages, not a file here) is never edited;
+    # nor is a file below site-packages the user's path points into.
+    files = {_file_of(f, canon) for f in findings if not f.library}
     allowed = {p for p in files if not is_library_file(p)}
     nodes = {n.name: n for n in aud.capture.gm.graph.nodes}
     kinds = {id(f): source_fix_of(by_id.get(f.rule)) for f in findings}
@@ -113,7 +115,7 @@ def plan_edits(aud, model: nn.Module, rules, *, args: tuple = (), kwargs: dict |
     for f in ordered:
         params = kinds[id(f)]
         kind = params["kind"]
-        file = canon(str(Path(f.location["file"]).resolve()))
+        file = _file_of(f, canon)
         refusal = _refused_before_fixing(f, kind, file, allowed, aud.capture.mode)
         if refusal is not None:
             plan.refusals.append(refusal)
@@ -159,6 +161,12 @@ def _with_probe_inputs(model: nn.Module, findings: list[Finding], kinds: dict, f
     if probe_paths - set(inputs):
         inputs.update(probe_inputs(model, probe_paths - set(inputs), args, kwargs or {}))
     return inputs
+
+
+def _file_of(f: Finding, canon: Callable[[str], str]) -> str:
+    """The file of ``f``'s line as the plan keys it: the user's path resolved (and canonical), a library's as the
+    report names it (``transformers/models/llama/modeling_llama.py``, never resolved against the working folder)."""
+    return f.location["file"] if f.library else canon(str(Path(f.location["file"]).resolve()))
 
 
 def _refused_before_fixing(f: Finding, kind: str, file: str, allowed: set[str], mode: str) -> Refusal | None:
@@ -265,13 +273,17 @@ def _touches_ignored(src: Source, edit: Edit, names: tuple[str, ...]) -> bool:
 
 
 def _library_instead(f: Finding, kind: str, capture: str) -> str:
-    from ampaudit.rules.engine import untraceable
+    from ampaudit.rules.engine import module_fixable, untraceable
 
     if kind == "pad_to_multiple":
-        text = "the library's own option, e.g. resize_token_embeddings(n, pad_to_multiple_of=8), or ampaudit fix --pad -o DIR"
+        # The library's own option exists for its embeddings (a Hugging Face model's vocabulary); any Linear,
+        # Embedding or Conv is padded by the module-tree rewrite, whatever captured the model.
+        own = "the library's own option, resize_token_embeddings(n, pad_to_multiple_of=8), or " \
+            if f.op == "embedding" else ""
+        text = own + "ampaudit fix --pad -o DIR"
     else:
         text = keep_fp32_instead(f.module, " in your code,")
-    return text if capture == "fx" else untraceable(text, f.module)
+    return text if capture == "fx" or module_fixable(f) else untraceable(text, f.module)
 
 
 def probe_inputs(model: nn.Module, paths: set[str], args: tuple, kwargs: dict) -> dict:
