@@ -1,9 +1,10 @@
-"""T5 feed-forward block whose down projection `wo` overflows fp16: the residual stream carries a few massive
-channels, and `wo` writes up to ~8e4 into them, past fp16's 65504; the stored product is inf, the residual add keeps it, and
-the next T5 RMSNorm (upcast to fp32, as T5's is) computes rsqrt(inf) = 0 and inf * 0 = NaN. huggingface/transformers#9295
-(T5 fp16: inf in the FF layer before `wo`; the clamp_value workaround) and openvinotoolkit/openvino#37084 (flan-t5:
-the first inf at `DenseReluDense.wo`, 5 elements past 65504). ``build_fixed_model`` is transformers' own fix, `wo`
-kept in float32 (`_keep_in_fp32_modules = ["wo"]` in modeling_t5): no overflow, nothing to report."""
+"""T5 feed-forward block whose down projection `wo` overflows fp16: the residual stream carries a few massive channels,
+and `wo` writes up to ~8e4 into them, past fp16's 65504; the stored product is inf, the residual add keeps it, and
+the next T5 RMSNorm (upcast to fp32, as T5's is) computes rsqrt(inf) = 0 and inf * 0 = NaN.
+huggingface/transformers#9295 (T5 fp16: inf in the FF layer before `wo`; the clamp_value workaround) and
+openvinotoolkit/openvino#37084 (flan-t5: the first inf at `DenseReluDense.wo`, 5 elements past 65504).
+``build_fixed_model`` is transformers' own fix, `wo` kept in float32 (`_keep_in_fp32_modules = ["wo"]` in
+modeling_t5): no overflow, nothing to report."""
 import torch, torch.nn as nn, torch.nn.functional as F
 
 EXPECT = {"culprit": "ff.wo", "families": ["nonfinite", "range"], "target": {"device": "cpu", "dtype": "float16"},

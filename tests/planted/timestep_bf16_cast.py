@@ -1,9 +1,9 @@
 """Flow-matching denoiser that casts its float timestep to the activations' dtype before the sinusoidal embedding (Wan
 in DiffSynth-Studio: `timestep.to(dtype=self.torch_dtype)`): bf16's spacing in [512, 1024) is 4, so the sampler's
 998.39 becomes 1000 and 987.17 becomes 988; the embedding's fast frequencies (sin(t) at 1 rad per unit) are off by
-radians, and the adaLN scale and shift every block takes from it are wrong in time_embed. modelscope/DiffSynth-Studio#562
-("999.3986->1000. 988.4937->988. 987.1741 -> 988."), #1025 (keep the timestep in fp32, cast only before the time MLP),
-huggingface/diffusers#9405 (Flux and SD3 in bf16: 750 -> 752)."""
+radians, and the adaLN scale and shift every block takes from it are wrong in time_embed.
+modelscope/DiffSynth-Studio#562 ("999.3986->1000. 988.4937->988. 987.1741 -> 988."), #1025 (keep the timestep in
+fp32, cast only before the time MLP), huggingface/diffusers#9405 (Flux and SD3 in bf16: 750 -> 752)."""
 import math
 import torch, torch.nn as nn, torch.nn.functional as F
 

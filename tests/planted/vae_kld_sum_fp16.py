@@ -1,9 +1,9 @@
-"""VAE that returns its own loss, the KL term written as in pytorch/examples' vae/main.py,
--0.5 * sum(1 + logvar - mu^2 - exp(logvar)) summed over the batch: under fp16 autocast mu and logvar come out of fp16
-Linears and the sum's result is stored in fp16, so a batch of 64 with a 128-dim latent whose posterior sits a few
-units from the prior (KL ~1200 nats a sample) totals ~7.8e4, past 65504: inf in kld, and the loss is inf. The per-element
-terms are all small; only the sum overflows. NVIDIA/apex#812 (a VAE under AMP: the KL term "blows up", everything else
-trains) and tensorflow/tensorflow#47156 ("the mean computation may overflow ... due to the sum before division")."""
+"""VAE that returns its own loss, the KL term written as in pytorch/examples' vae/main.py, -0.5 * sum(1 + logvar - mu^2
+- exp(logvar)) summed over the batch: under fp16 autocast mu and logvar come out of fp16 Linears and the sum's result
+is stored in fp16, so a batch of 64 with a 128-dim latent whose posterior sits a few units from the prior (KL ~1200
+nats a sample) totals ~7.8e4, past 65504: inf in kld, and the loss is inf. The per-element terms are all small; only
+the sum overflows. NVIDIA/apex#812 (a VAE under AMP: the KL term "blows up", everything else trains) and
+tensorflow/tensorflow#47156 ("the mean computation may overflow ... due to the sum before division")."""
 import torch, torch.nn as nn, torch.nn.functional as F
 
 EXPECT = {"culprit": "kld", "families": ["nonfinite", "range"],
