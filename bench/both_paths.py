@@ -17,8 +17,10 @@ For each planted model (../shared/planted and tests/planted, the module named in
   ``ampaudit train`` cannot show (its O2 keeps BatchNorm fp32), runs instead as a user's loop would:
   ``model.half()`` under ``ampaudit.watch`` for ``WATCH_STEPS`` steps of the file's train_data/loss_fn.
 
-The healthy twins of the training faults (``ema_teacher_fp32``, ``attn_logit_growth`` with ``--entry
-build_qknorm_model`` and with ``--lr 0.02``) run both paths too, and must raise no swamping or precursor warning.
+The healthy twins (``ema_teacher_fp32``, ``attn_logit_growth`` with ``--entry build_qknorm_model`` and with ``--lr
+0.02``; a forward fault's fixed version, its file's ``build_fixed_model``) run both paths too: a training twin must
+raise no swamping or precursor warning, a forward twin nothing at warning or above on the culprit and no non-finite
+value (calibrate), and a report that neither points at the culprit nor finds a first non-finite value (train+report).
 
 A model without ``train_data``/``loss_fn`` trains on its example inputs with the mean of its outputs as the loss
 (a wrapper file written next to the trace). Prints one row per model and the share each path names; ``--json``
@@ -43,7 +45,9 @@ from accuracy import _load, located, planted_files  # noqa: E402
 TRAINING_STEPS = 34     # training faults, both paths: attn_logit_growth crosses at 17 and breaks from ~29
 # The healthy twins of the training faults (model, what differs) and the report's warnings a twin must not raise.
 TWINS = (("ema_teacher_fp32", {}), ("attn_logit_growth", {"entry": "build_qknorm_model"}),
-         ("attn_logit_growth", {"lr": 0.02}))
+         ("attn_logit_growth", {"lr": 0.02}), ("t5_ff_wo_fp16", {"entry": "build_fixed_model"}),
+         ("rmsnorm_square_fp16", {"entry": "build_fixed_model"}),
+         ("attention_pool_exp_fp16", {"entry": "build_fixed_model"}))
 TRAINING_ALARMS = ("swamping", "preflight", "precursor")
 HALF_MODEL = "half model (O2)"      # EXPECT["fails_in"] of a fault only the half model shows
 WATCH_STEPS = 3
@@ -137,9 +141,13 @@ def run_trace(path: Path, expect: dict, work: Path, twin: dict | None = None) ->
     except json.JSONDecodeError:
         row["runtime_error"] = (rep.stderr.strip().splitlines() or ["report failed"])[-1][:200]
         return row
-    if twin is not None:
+    if twin is not None and training:
         row["runtime_alarms"] = sorted({r["kind"] for r in summary.get("recommendations", [])
                                         if r.get("kind") in TRAINING_ALARMS})
+    elif twin is not None:      # a forward fault's fixed version: the report must not point at the culprit
+        named = report_names(summary, _culprits(expect))
+        row["runtime_alarms"] = sorted({named} if named else set()) + (
+            ["first non-finite"] if summary.get("first_nonfinite") and named != "first non-finite" else [])
     else:
         row["runtime_by"] = report_names(summary, _culprits(expect))
     return row
@@ -160,7 +168,8 @@ def training_options(mod, expect: dict, twin: dict | None = None) -> dict:
 
 def run_calibrate(path: Path, expect: dict, twin: dict | None = None) -> bool | str | list:
     """Whether ``check --calibrate`` names the culprit (a string: why it crashed); for a ``twin``, the families
-    of the training warnings it gave (a list, empty when quiet)."""
+    of the alarms it gave (a list, empty when quiet): training warnings for a training fault's twin, warnings on
+    the culprit or non-finite values for a forward fault's."""
     import ampaudit
 
     mod = _load(path)
@@ -173,15 +182,17 @@ def run_calibrate(path: Path, expect: dict, twin: dict | None = None) -> bool | 
                              **kwargs)
     except Exception as exc:  # noqa: BLE001 - a crash is a miss, reported with its reason
         return f"{type(exc).__name__}: {exc}"[:200]
-    if twin is not None:
-        return sorted({f.family for f in rep.findings if f.family in ("swamping", "precursor")
-                       and f.severity in ("warning", "error")})
+    alarms = [f for f in rep.findings if f.severity in ("warning", "error")]
+    if twin is not None and expect.get("phase") == "training":
+        return sorted({f.family for f in alarms if f.family in ("swamping", "precursor")})
+    if twin is not None:        # a forward fault's fixed version: nothing on the culprit, nothing non-finite
+        return sorted({f.family for f in alarms if _names(f.module, _culprits(expect)) or f.family == "nonfinite"})
     return any(located(rep, c, None) for c in _culprits(expect)) or any(
         _names(f.module, _culprits(expect)) for f in rep.findings if f.severity in ("warning", "error"))
 
 
 def run_twins(work: Path, only: set | None) -> list[dict]:
-    """The healthy twins of the training faults through both paths: each must stay quiet."""
+    """The healthy twins through both paths: each must stay quiet."""
     by_stem = {p.stem: p for p in planted_files()}
     rows = []
     for stem, twin in TWINS:

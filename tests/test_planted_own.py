@@ -89,6 +89,25 @@ def test_fault_is_real_and_fp32_is_fine(path):
         assert error > 0.10, f"relative error {error:.3f} under {dtype}: the fault is not there"
 
 
+FIXED = [p for p in FILES if hasattr(load_module(p), "build_fixed_model")]
+
+
+@pytest.mark.parametrize("path", FIXED, ids=lambda p: p.stem)
+def test_fixed_twin_is_healthy(path):
+    """A file's ``build_fixed_model`` (the published fix of its fault, bench/both_paths.py's healthy twin) runs
+    under the target's autocast within 1% of FP32, forward and backward finite: the fix removes the fault."""
+    m = load_module(path)
+    dtype = getattr(torch, m.EXPECT["target"]["dtype"])
+    fixed = type("Fixed", (), {"build_model": staticmethod(m.build_fixed_model), "loss_fn": staticmethod(m.loss_fn)})
+    inputs = tuple(m.example_inputs())
+    ref, _ = _run(fixed, None, inputs)
+    low, _ = _run(fixed, dtype, inputs)
+    assert _finite(low) and float((low - ref).norm() / ref.norm()) < 0.01
+    batch, target = next(iter(m.train_data()))
+    _, grads = _run(fixed, dtype, batch if isinstance(batch, tuple) else (batch,), target)
+    assert _finite(*grads)
+
+
 def _module_error(m, dtype, inputs) -> float:
     """Relative L2 of the culprit's output under autocast against FP32, both on the input of the FP32 run."""
     model = m.build_model()

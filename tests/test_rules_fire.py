@@ -137,6 +137,17 @@ def test_alignment_multiple_is_16_for_fp8():
     assert hits(m, x, device="cuda", dtype="float8", rule="AMP101")
 
 
+@pytest.mark.parametrize("shifted", [lambda h: h - h.amax(-1, keepdim=True), lambda h: h - h.max(-1, keepdim=True)[0],
+                                     lambda h: h - torch.max(h)], ids=["amax", "max_dim", "max"])
+def test_exp_shifted_by_its_max_cannot_overflow(shifted):
+    """The softmax shift exp(x - max x) is at most 1: the stored result is low, not its range (an info); exp of
+    the same scores unshifted, or shifted by another tensor's max, keeps the overflow warning."""
+    got = hits(Proj(lambda h: torch.exp(shifted(h))), X16, device="cpu", rule="AMP202")
+    assert [sev for _, sev, _ in got] == ["info"], got
+    other = hits(Proj(lambda h: torch.exp(h - (2 * h).amax(-1, keepdim=True))), X16, device="cpu", rule="AMP202")
+    assert [sev for _, sev, _ in other] == ["warning"], other
+
+
 def test_depthwise_conv_is_not_a_gemm():
     assert hits(nn.Conv2d(30, 30, 3, groups=30), torch.randn(1, 30, 8, 8), device="cuda", rule="AMP102") == []
 

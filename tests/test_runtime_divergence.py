@@ -43,6 +43,29 @@ def test_compare_to_fp32_on_a_benign_model():
     assert rows["1"]["local_rel_l2"] < rows["1"]["rel_l2"] + 1e-9   # tanh alone adds little error
 
 
+class _KeepsProjFP32(nn.Module):
+    """T5's fix for its fp16 overflow: the caller runs one Linear with autocast off, on an FP32 input."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.proj = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        with torch.autocast("cpu", enabled=False):
+            return self.proj(h.float())
+
+
+def test_own_error_rerun_keeps_autocast_off_where_the_caller_turned_it_off():
+    """A module called with autocast off computes in FP32: its own re-run must too, or it is charged the error of a
+    bf16 GEMM it never ran (an inf where that GEMM overflows fp16: a healthy twin named the culprit)."""
+    torch.manual_seed(0)
+    rows = {r["module"]: r for r in compare_to_fp32(_KeepsProjFP32(), (torch.randn(8, 16),), {},
+                                                    dtype=torch.bfloat16)}
+    assert rows["proj"]["local_rel_l2"] < 1e-6, rows["proj"]
+    assert rows["up"]["local_rel_l2"] > 1e-4, rows["up"]              # the bf16 GEMM still has its own error
+
+
 def test_compare_to_fp32_flags_the_overflowing_pool():
     planted = load_planted("cumsum_pool")
     rows = {r["module"]: r for r in compare_to_fp32(planted.build_model(), planted.example_inputs(), {},

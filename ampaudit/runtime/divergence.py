@@ -12,7 +12,8 @@ FP32 backward from the captured upstream gradient), ``events`` (one host read), 
 Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR = 20 log10(|b|/|a-b|)
 (b is the FP32 reference):
 - ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
-- ``local``: the module's *own* error: the module alone under autocast, fed the shadow's FP32 inputs rounded
+- ``local``: the module's *own* error: the module alone under autocast (off where its caller had turned it
+  off: a module kept in FP32 so is re-run in FP32), fed the shadow's FP32 inputs rounded
   to the dtypes its inputs had in the real run (fed FP32, a module that computes in bf16 only *because bf16
   arrives* would read 0), against its FP32 output as the module's output dtype holds it (rounding the exact
   answer is the dtype's range, not the module's code: fp16 subnormals), where finite; ``input_rel_l2`` beside
@@ -115,6 +116,7 @@ class DivergenceProbe:
         self._last_ref: tuple | None = None       # (real clone, shadow tensor, sums)
         self._real: dict[str, list[list[torch.Tensor]]] = {}
         self._in_dtypes: dict[str, list[list[torch.dtype]]] = {}   # per call: dtypes of its floating inputs
+        self._amp_on: dict[str, list[bool]] = {}    # per call: whether autocast was on where it was called
         self._calls: dict[str, int] = {}
         self._inputs: dict[str, list[tuple]] = {}
         # (event fields, sums: a device tensor, a row of ``_batch``, or a tuple of plain numbers)
@@ -168,6 +170,8 @@ class DivergenceProbe:
             self._in_dtypes.setdefault(name, []).append(
                 [a.dtype for a in args if a.is_floating_point()] if all(type(a) is torch.Tensor for a in args)
                 else [t.dtype for t in float_tensors(args)])
+            # Called with autocast off (T5's `wo` kept in FP32): its re-run must not compute what it never did.
+            self._amp_on.setdefault(name, []).append(torch.is_autocast_enabled(self.device_type))
         # Copied: the caller may modify the output in place later (``out += identity``). Only the elements
         # the metrics read are copied (``_sample``: at most METRIC_SAMPLE), with the shape they came from.
         clones = []
@@ -301,8 +305,10 @@ class DivergenceProbe:
                 dtypes = self._in_dtypes.get(name, [])
                 fp32 = a
                 a = rounded_to(a, dtypes[call]) if call < len(dtypes) else a
+                amp = self._amp_on.get(name, [])
                 try:
-                    self._run_local(mod, a, k, state, cuda_state, refs, tag, fp32=fp32)
+                    self._run_local(mod, a, k, state, cuda_state, refs, tag, fp32=fp32,
+                                    autocast=amp[call] if call < len(amp) else True)
                 except Exception as exc:  # noqa: BLE001 - one module's re-run costs its own error, not the check
                     note(f"own error of {name or 'the top module'} skipped: its re-run on its real input dtypes "
                          f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
@@ -314,13 +320,14 @@ class DivergenceProbe:
         return call < len(dtypes) and any(is_low(d) for d in dtypes[call])
 
     def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
-                   cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = ()) -> None:
+                   cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = (),
+                   autocast: bool = True) -> None:
         self._in_local = True
         if mod in self._composites:
             self._own.start(mod, args, fp32, self._out_dtypes)
         try:
             with rng_replayed({"cpu": state, "cuda": cuda_state}), torch.no_grad(), \
-                    torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
+                    torch.autocast(self.device_type, dtype=self.dtype, enabled=autocast):
                 lo = mod(*args, **kwargs)
         finally:
             self._own.stop()

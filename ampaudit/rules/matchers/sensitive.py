@@ -113,12 +113,29 @@ def _variant(ctx: MatchContext, rule, node: fx.Node, info, depth: int | None) ->
     if info.op in rule.param("half_params_ops", ()) and _half_params(ctx, node):
         return "half_params"
     hazard = kernel_hazard(info.op, info.compute_dtype)
-    if hazard == "storage":
+    if hazard == "storage" or (info.op == "exp" and _shifted_by_its_max(node)):
         return "accumulates"
     if hazard == "range" and info.op in rule.param("depth_ops", ()) and depth is not None \
             and depth < rule.param("min_depth", 0):
         return "short"
     return None
+
+
+def _op_of(node) -> str | None:
+    info = node.meta.get(AMP_KEY) if isinstance(node, fx.Node) else None
+    return info.op if info is not None else None
+
+
+def _shifted_by_its_max(node: fx.Node) -> bool:
+    """``exp(x - x.amax(dim))`` (or ``x.max(dim).values``, ``x.max()``): the softmax shift, an input at most 0,
+    so the result is at most 1 and cannot overflow."""
+    arg = node.args[0] if node.args else None
+    if _op_of(arg) != "sub" or len(arg.args) < 2:
+        return False
+    x, top = arg.args[0], arg.args[1]
+    if _op_of(top) == "getitem" and len(top.args) > 1 and top.args[1] == 0:
+        top = top.args[0]                           # max(x, dim) gives (values, indices)
+    return _op_of(top) in ("amax", "max") and bool(top.args) and top.args[0] is x
 
 
 def _half_params(ctx: MatchContext, node: fx.Node) -> bool:
