@@ -12,20 +12,20 @@ FP32 backward from the captured upstream gradient), ``events`` (one host read), 
 Three scopes per module, each with rel_l2 = |a-b|/|b|, cosine, max_abs and SQNR = 20 log10(|b|/|a-b|)
 (b is the FP32 reference):
 - ``global``: the real (autocast) output against the FP32 shadow's: error accumulated from the input on.
-- ``local``: the module's *own* error: the module alone under autocast (off where its caller had turned it
-  off: a module kept in FP32 so is re-run in FP32), fed the shadow's FP32 inputs rounded
-  to the dtypes its inputs had in the real run (fed FP32, a module that computes in bf16 only *because bf16
-  arrives* would read 0), against its FP32 output as the module's output dtype holds it (rounding the exact
-  answer is the dtype's range, not the module's code: fp16 subnormals), where finite; ``input_rel_l2`` beside
-  it is what its inputs (a composite's: also its children's outputs) lost by that rounding before it saw them
-  (at most a unit roundoff in the dtype's normal range), ``output_rel_l2`` what storing the exact answer in its
-  output dtype loses. A composite (the root too) is re-run with the submodules it
-  calls computed in FP32 and handed back rounded to their real dtypes (:mod:`ampaudit.runtime.own_rerun`): the
-  error of its own code, so a parent never inherits a child's fault. That costs an FP32 forward of its subtree,
-  so ``begin(composites=...)`` picks which composites a check re-runs; ``local="leaves"`` keeps leaves only.
-  Run right after the module's shadow call, with the RNG state it saw (same dropout masks); skipped for
-  modules whose inputs their own forward modified in place. Modules in ``AUTOCAST_NEUTRAL`` (exact types
-  whose ops autocast never lowers) that the real run fed fp32 get their zero result without the re-run.
+- ``local``: the module's *own* error: the module alone under autocast (off where its caller had turned it off: a
+  module kept in FP32 so is re-run in FP32), fed the shadow's FP32 inputs rounded to the dtypes its inputs had in
+  the real run (fed FP32, a module that computes in bf16 only *because bf16 arrives* would read 0), against its FP32
+  output as the module's output dtype holds it (rounding the exact answer is the dtype's range, not the module's
+  code: fp16 subnormals), where finite; ``input_rel_l2`` beside it is what its inputs (a composite's: also its
+  children's outputs) lost by that rounding before it saw them (at most a unit roundoff in the dtype's normal
+  range), ``output_rel_l2`` what storing the exact answer in its output dtype loses. A composite (the root too) is
+  re-run with the submodules it calls computed in FP32 and handed back rounded to their real dtypes
+  (:mod:`ampaudit.runtime.own_rerun`): the error of its own code, so a parent never inherits a child's fault. That
+  costs an FP32 forward of its subtree, so ``begin(composites=...)`` picks which composites a check re-runs;
+  ``local="leaves"`` keeps leaves only. Run right after the module's shadow call, with the RNG state it saw (same
+  dropout masks); skipped for modules whose inputs their own forward modified in place. Modules in
+  ``AUTOCAST_NEUTRAL`` (exact types whose ops autocast never lowers) that the real run fed fp32 get their zero
+  result without the re-run.
 - ``grad``: per parameter, the real gradient against the FP32 one, obtained by pushing the *same* upstream
   gradient (d loss / d output, captured during the real backward) through the FP32 graph, so the loss
   function is not needed. ``max_abs`` is in the units of the real gradients (scaled if a loss scaler is on).
@@ -151,8 +151,7 @@ class DivergenceProbe:
         self._composites_now = chosen if self._run_local_now else set()
         self._run_composites_now = bool(self._composites_now)
         self._param_names = {p: n for n, p in self.root.named_parameters() if p.requires_grad}
-        # An optimizer step bumps the parameters' version counters: a shadow run after it would compare
-        # different weights (see ``shadow``).
+        # An optimizer step bumps the parameters' version counters: a shadow after it compares other weights.
         self._param_versions = [p._version for p in self._param_names]
         # One global hook instead of one per module: registering and removing a few dozen hooks per check
         # cost more than the recording. Global hooks run before a module's own, so the root's output is
@@ -215,8 +214,7 @@ class DivergenceProbe:
             self._real.clear()
             return
         if self._run_local_now:
-            # Their inputs are kept for the re-run; during a composite's re-run the same hooks turn the
-            # submodules it calls to FP32.
+            # Their inputs are kept for the re-run; in a composite's re-run the same hooks turn its callees FP32.
             for mod in (self._local_mods if self._run_composites_now else self._local_mods - self._composites):
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
@@ -305,10 +303,9 @@ class DivergenceProbe:
                 dtypes = self._in_dtypes.get(name, [])
                 fp32 = a
                 a = rounded_to(a, dtypes[call]) if call < len(dtypes) else a
-                amp = self._amp_on.get(name, [])
+                amp = self._amp_on.get(name, [])[call:call + 1] or [True]
                 try:
-                    self._run_local(mod, a, k, state, cuda_state, refs, tag, fp32=fp32,
-                                    autocast=amp[call] if call < len(amp) else True)
+                    self._run_local(mod, a, k, state, cuda_state, refs, tag, fp32=fp32, autocast=amp[0])
                 except Exception as exc:  # noqa: BLE001 - one module's re-run costs its own error, not the check
                     note(f"own error of {name or 'the top module'} skipped: its re-run on its real input dtypes "
                          f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
@@ -320,8 +317,7 @@ class DivergenceProbe:
         return call < len(dtypes) and any(is_low(d) for d in dtypes[call])
 
     def _run_local(self, mod: nn.Module, args: tuple, kwargs: dict, state: torch.Tensor,
-                   cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = (),
-                   autocast: bool = True) -> None:
+                   cuda_state: dict, refs: list[torch.Tensor], tag: dict, fp32: tuple = (), autocast=True) -> None:
         self._in_local = True
         if mod in self._composites:
             self._own.start(mod, args, fp32, self._out_dtypes)
