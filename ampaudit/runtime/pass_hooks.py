@@ -192,12 +192,14 @@ class PassHooks:
 
         def hook(grad: torch.Tensor) -> None:
             if not self._suspended and grad is not None and grad.is_floating_point():
-                # One histogram of the gradient's magnitude bits gives both its exact counts and its log2 bins.
+                # One histogram of the gradient's magnitude bits, and one cumulative count of it, give both its
+                # exact counts and its log2 bins.
                 raw = key_histogram(grad) if hist is not None else None
+                cum = raw.cumsum(0) if raw is not None else None
                 for slot in slots:
-                    self._acc.observe(slot, grad, full=full, histogram=raw)
+                    self._acc.observe(slot, grad, full=full, histogram=raw, cumulative=cum)
                 if hist is not None:
-                    hist.observe(slots, grad, step, histogram=raw)
+                    hist.observe(slots, grad, step, histogram=raw, cumulative=cum)
         return hook
 
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
@@ -207,7 +209,8 @@ class PassHooks:
         p.hooked, p.forward_done = _NO_HOOKED, True
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
         if self._prec is not None and self._prec.active:
-            self._prec.end_forward(outs)
+            # The root's statistics hook has just read the extremes of its output: the logits' max reuses them.
+            self._prec.end_forward(outs, self._acc.extremes_of(outs[0]) if outs and p.sample else None)
         grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
         if p.probe is not None:
             p.probe.end_forward()        # the FP32 shadow runs at the end of the pass
