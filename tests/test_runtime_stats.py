@@ -94,3 +94,19 @@ def test_nonfinite_now_reads_a_sum_and_tells_overflow_from_inf(dtype):
         assert nonfinite_now(x) and nonfinite_now(x[149:152]) and not nonfinite_now(x[::2])
     both = torch.tensor([math.inf, -math.inf], dtype=dtype)                   # their sum is NaN: still non-finite
     assert nonfinite_now(both)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_extremes_are_amin_and_amax_nan_and_inf_included(dtype):
+    from ampaudit.runtime.stats import extremes
+
+    x = torch.randn(257).to(dtype)
+    for bad in (None, math.inf, -math.inf, math.nan):
+        y = x.clone()
+        if bad is not None:
+            y[100] = bad
+        for t in (y, y[::3], y.reshape(-1, 1).expand(-1, 2)):
+            lo, hi = extremes(t)
+            assert (lo.isnan().item() and t.amin().isnan().item()) or lo.item() == t.amin().item()
+            assert (hi.isnan().item() and t.amax().isnan().item()) or hi.item() == t.amax().item()
+    assert [v.item() for v in extremes(torch.tensor([], dtype=dtype))] == [0.0, 0.0]

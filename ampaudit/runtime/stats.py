@@ -37,9 +37,11 @@ def extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not t.numel():                       # nothing to be non-finite: (0, 0), where aminmax would raise
         zero = t.new_zeros(())
         return zero, zero
-    # Measured on CPU: aminmax is the fastest for 16-bit floats, separate amin/amax for fp32 (and both beat
-    # abs().amax(), which also allocates a copy).
-    if is_half(t.dtype):
+    # One pass: on CPU aminmax beats abs().amax() (which also allocates a copy) for every dtype, and beats a
+    # separate amin and amax for fp32 too inside a training step, where the tensor is read from memory twice
+    # (sampled passes of the sample transformer, amin + amax against aminmax on its fp32 tensors, the same
+    # steps side by side: +3.82/+3.87 ms against +3.64/+3.54 ms per pass), though not on a warm, idle core.
+    if is_half(t.dtype) or t.dtype in (torch.float32, torch.float64):
         return torch.aminmax(t)
     return t.amin(), t.amax()
 
