@@ -94,7 +94,7 @@ def test_log2_counts_from_a_shared_histogram():
         assert torch.equal(grad_hist.log2_counts(t, key_histogram(t)), grad_hist.log2_counts(t))
 
 
-def _reference_counts(t, target, histogram=None):
+def _reference_counts(t, target, histogram=None, **already):
     want, smallest = compared(t, target) if t.numel() else ([0] * 6, math.inf)
     return torch.tensor(want), torch.tensor(smallest, dtype=torch.float32)
 
@@ -124,3 +124,32 @@ def _events(monkeypatch, reference: bool) -> list[dict]:
 def test_watch_events_equal_those_of_one_compare_per_threshold(monkeypatch):
     # fp16 judged, bf16 computed: fp32 tensors meet fp16's max inside a key, bf16 ones off their own grid.
     assert _events(monkeypatch, reference=False) == _events(monkeypatch, reference=True)
+
+
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("target", TARGETS)
+def test_counts_from_known_extremes_equal_one_compare_per_threshold(src, target):
+    # On CPU a finite tensor whose (min, max) are known is counted without a histogram: the nonzeros, their smallest
+    # magnitude and, below a low threshold, one compare. Planted edges of every threshold, with and without zeros,
+    # small-only and clamped; non-finite and overflowing tensors take the histogram instead, with the same counts.
+    g = torch.Generator().manual_seed(100 + SOURCES.index(src) * 10 + TARGETS.index(target))
+    took = {True: 0, False: 0}
+    for n in (1, 7, 300, 5000):
+        for variant in range(5):
+            x = planted(src, n, g)
+            if variant:
+                x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=src))
+            if variant == 2:
+                x = x.clamp(-1000, 1000)
+            if variant == 3:
+                x = torch.where(x == 0, torch.ones((), dtype=src), x)
+            if variant == 4:
+                x = x * 0
+            for t in (x, x[::3], x.reshape(-1, 1).expand(-1, 2)):
+                want, smallest = compared(t, target)
+                lohi = (t.amin(), t.amax())
+                took[mc._finite_counts(t, target, lohi) is not None] += 1
+                counts, min_nz = full_counts(t, target, extremes=lohi)
+                assert counts.tolist() == want and counts.dtype == torch.int64
+                assert min_nz.item() == smallest and min_nz.dtype == torch.float32 and min_nz.dim() == 0
+    assert took[True] and took[False]                      # both ways were taken

@@ -201,3 +201,41 @@ def test_precursors_off():
     with ampaudit.watch(Net(), every=1, stats_every=1, precursors=False) as w:
         w.model(torch.randn(2, 6, 16))
     assert not [e for e in w.events if e["event"] == "precursor"]
+
+
+def test_massive_activation_samples_outputs_as_they_were_and_batches_mixed_lengths():
+    # Medians are taken at the interval's end, batched by sample length and dtype: each must still be that of the
+    # output when its module returned it (changed in place afterwards here) and of its own length.
+    class Spiky(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.n = n
+
+        def forward(self, x):
+            y = x.reshape(-1)[: self.n].clone()
+            y[0] = 5000.0
+            return y
+
+    class Net3(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big, self.small, self.low = Spiky(8192), Spiky(100), Spiky(8192)
+
+        def forward(self, x):
+            a, b, c = self.big(x), self.small(x), self.low(x.bfloat16())
+            total = a[:4].sum() + b[:4].sum() + c[:4].float().sum()
+            a.mul_(0)
+            b.mul_(0)
+            c.mul_(0)                                         # after the hooks: the samples must not see it
+            return total.reshape(1)
+
+    x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), ampaudit.watch(Net3(), every=1, stats_every=1) as w:
+        w.model(x)
+    massive = {e["module"]: e for e in w.events if e["event"] == "precursor" and e["signal"] == "massive_activation"}
+    assert {"big", "small", "low"} <= set(massive)
+    for name, n, dtype in (("big", 8192, torch.float32), ("small", 100, torch.float32), ("low", 8192, torch.bfloat16)):
+        y = x.to(dtype).reshape(-1)[:n].clone()
+        y[0] = 5000.0
+        median = y.abs()[:: max(1, n // 4096)][:4096].float().median().item()
+        assert massive[name]["median"] == median and massive[name]["absmax"] == y.abs().max().item()

@@ -77,3 +77,36 @@ def test_headroom_is_log2_of_dtype_max_over_absmax():
     acc.end_pass()
     rec = acc.drain()[0]
     assert rec["headroom_bits"] == pytest.approx(math.log2(65504 / 1024))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_now_reads_a_sum_and_tells_overflow_from_inf(dtype):
+    from ampaudit.runtime.stats import nonfinite_now
+
+    big = torch.finfo(dtype).max
+    assert not nonfinite_now(torch.tensor([], dtype=dtype))
+    assert not nonfinite_now(torch.randn(300).to(dtype))
+    assert not nonfinite_now(torch.full((64,), big, dtype=dtype))            # the sum overflows, no value does
+    assert not nonfinite_now(torch.full((70000,), 1.0, dtype=dtype))          # past fp16's max as a sum
+    for bad in (math.inf, -math.inf, math.nan):
+        x = torch.randn(301).to(dtype)
+        x[151] = bad
+        assert nonfinite_now(x) and nonfinite_now(x[149:152]) and not nonfinite_now(x[::2])
+    both = torch.tensor([math.inf, -math.inf], dtype=dtype)                   # their sum is NaN: still non-finite
+    assert nonfinite_now(both)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_extremes_are_amin_and_amax_nan_and_inf_included(dtype):
+    from ampaudit.runtime.stats import extremes
+
+    x = torch.randn(257).to(dtype)
+    for bad in (None, math.inf, -math.inf, math.nan):
+        y = x.clone()
+        if bad is not None:
+            y[100] = bad
+        for t in (y, y[::3], y.reshape(-1, 1).expand(-1, 2)):
+            lo, hi = extremes(t)
+            assert (lo.isnan().item() and t.amin().isnan().item()) or lo.item() == t.amin().item()
+            assert (hi.isnan().item() and t.amax().isnan().item()) or hi.item() == t.amax().item()
+    assert [v.item() for v in extremes(torch.tensor([], dtype=dtype))] == [0.0, 0.0]

@@ -68,15 +68,17 @@ def _fold_ends(view: torch.dtype, device: torch.device) -> torch.Tensor:
     return _ENDS[key]
 
 
-def log2_counts(t: torch.Tensor, histogram: torch.Tensor | None = None) -> torch.Tensor:
+def log2_counts(t: torch.Tensor, histogram: torch.Tensor | None = None,
+                cumulative: torch.Tensor | None = None) -> torch.Tensor:
     """(NBINS + 2,) int64 device tensor: how many of ``t``'s values fall in each exponent bin, then zeros and
     inf/NaN. Queues device work only. ``histogram``: ``key_histogram(t)``, if already made (the statistics of
-    the same gradient count the same keys)."""
+    the same gradient count the same keys), and ``cumulative`` its ``cumsum(0)``, if made too."""
     raw = histogram if histogram is not None else key_histogram(t)
     view = _VIEW.get(t.dtype, torch.bfloat16)        # other floats are keyed as float32: bf16's patterns
     # Each column is a run of keys: differences of the cumulative count at the runs' ends (a scatter of 32768
     # counts into 263 columns, index_add_, costs ~30x more on CPU).
-    runs = raw.cumsum(0).index_select(0, _fold_ends(view, t.device)).diff()
+    cum = cumulative if cumulative is not None and histogram is not None else raw.cumsum(0)
+    runs = cum.index_select(0, _fold_ends(view, t.device)).diff()
     return torch.cat([runs[:NBINS], raw[:1], runs[NBINS:]])
 
 
@@ -113,14 +115,14 @@ class GradHistograms:
         self._last: tuple | None = None                          # (tensor, counts): one hook serving two slots
 
     def observe(self, slots: list[int], t: torch.Tensor, step: int | None,
-                histogram: torch.Tensor | None = None) -> None:
+                histogram: torch.Tensor | None = None, cumulative: torch.Tensor | None = None) -> None:
         """Count ``t`` (a floating gradient) for each of ``slots``, in the group of ``step``. ``histogram``:
-        ``key_histogram(t)``, if already made."""
+        ``key_histogram(t)``, if already made, and ``cumulative`` its ``cumsum(0)``."""
         seen = self._last
         if seen is not None and seen[0] is t:
             counts = seen[1]
         else:
-            counts = log2_counts(t, histogram)
+            counts = log2_counts(t, histogram, cumulative)
             self._last = (t, counts)
         group = self._groups.setdefault(step, {})
         for slot in slots:

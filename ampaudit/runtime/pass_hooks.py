@@ -31,7 +31,7 @@ from ampaudit.runtime.locate import judge_against_fp32, replay
 from ampaudit.runtime.replay_state import capture_rng, float_tensors
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
-from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes, key_histogram
+from ampaudit.runtime.stats import StatsAccumulator, any_nonfinite, extremes, key_histogram, nonfinite_now
 
 
 _NO_HOOKED: tuple = (None, ())      # statistics: no tensor whose gradient hook is shared (see _on_module_output)
@@ -63,6 +63,7 @@ class PassState:
     probe: DivergenceProbe | None = None    # the divergence check of this pass, if any
     upstream: list = field(default_factory=list)      # d loss / d output, per output
     cheap_flags: list = field(default_factory=list)   # extremes of outputs and upstream gradients, not yet read
+    seen_nonfinite: bool = False     # ... or, for CPU tensors, already read (nonfinite_now)
     bw_queued: bool = False          # the end-of-backward callback is queued
     hooked: tuple = _NO_HOOKED       # statistics: the tensor whose gradient hook the last module output got
 
@@ -192,12 +193,14 @@ class PassHooks:
 
         def hook(grad: torch.Tensor) -> None:
             if not self._suspended and grad is not None and grad.is_floating_point():
-                # One histogram of the gradient's magnitude bits gives both its exact counts and its log2 bins.
+                # One histogram of the gradient's magnitude bits, and one cumulative count of it, give both its
+                # exact counts and its log2 bins.
                 raw = key_histogram(grad) if hist is not None else None
+                cum = raw.cumsum(0) if raw is not None else None
                 for slot in slots:
-                    self._acc.observe(slot, grad, full=full, histogram=raw)
+                    self._acc.observe(slot, grad, full=full, histogram=raw, cumulative=cum)
                 if hist is not None:
-                    hist.observe(slots, grad, step, histogram=raw)
+                    hist.observe(slots, grad, step, histogram=raw, cumulative=cum)
         return hook
 
     def _on_forward_end(self, mod: nn.Module, args: tuple, out: Any) -> None:
@@ -207,7 +210,8 @@ class PassHooks:
         p.hooked, p.forward_done = _NO_HOOKED, True
         outs = [out] if type(out) is torch.Tensor and out.is_floating_point() else float_tensors(out)
         if self._prec is not None and self._prec.active:
-            self._prec.end_forward(outs)
+            # The root's statistics hook has just read the extremes of its output: the logits' max reuses them.
+            self._prec.end_forward(outs, self._acc.extremes_of(outs[0]) if outs and p.sample else None)
         grads = [i for i, o in enumerate(outs) if o.requires_grad] if torch.is_grad_enabled() else []
         if p.probe is not None:
             p.probe.end_forward()        # the FP32 shadow runs at the end of the pass
@@ -215,7 +219,9 @@ class PassHooks:
             # The outputs and, below, d loss / d output: a loss linear in the output (a sum, a policy
             # gradient) passes a NaN output on as a finite gradient.
             for o in outs:
-                if o.numel():
+                if o.is_cpu:
+                    p.seen_nonfinite = p.seen_nonfinite or nonfinite_now(o)
+                elif o.numel():
                     p.cheap_flags.extend(extremes(o))
         if not grads:
             self._end_pass()
@@ -243,10 +249,13 @@ class PassHooks:
         if self._suspended or not p.open:
             return
         p.upstream[index] = grad.detach()
-        if grad.numel() and not p.sample:
-            p.cheap_flags.extend(extremes(grad))
+        if not p.sample:
+            if grad.is_cpu:
+                p.seen_nonfinite = p.seen_nonfinite or nonfinite_now(grad)
+            elif grad.numel():
+                p.cheap_flags.extend(extremes(grad))
         if p.lean:
-            flag = p.flag = any_nonfinite(p.cheap_flags)
+            flag = p.flag = p.seen_nonfinite or any_nonfinite(p.cheap_flags)
             if not flag:
                 p.open = False
                 self._passes += 1
@@ -298,7 +307,7 @@ class PassHooks:
             # An overflow that starts inside backward shows up in the per-module gradient statistics of the
             # next sampled pass, or in on_skipped_step; checking every parameter gradient on every pass would
             # cost more than the rest of this path together.
-            flag = p.flag if p.flag is not None else any_nonfinite(p.cheap_flags)
+            flag = p.flag if p.flag is not None else p.seen_nonfinite or any_nonfinite(p.cheap_flags)
             bad = [("", "")] if flag else []
         with self.suspended():
             if p.probe is not None:

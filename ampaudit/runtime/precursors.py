@@ -129,6 +129,11 @@ def _mha_mask(attn_mask: Any, padding: Any, n: int, heads: int, L: int, S: int) 
     return total
 
 
+def _absmax(lo: float, hi: float) -> float:
+    """max(-lo, hi), NaN if either is (as torch.maximum)."""
+    return math.nan if lo != lo or hi != hi else max(-lo, hi)
+
+
 def is_attention_scores(x: Any, min_ndim: int = 4) -> bool:
     """Whether a softmax input looks like attention scores: >= ``min_ndim`` dims, or 3 dims and square."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 3:
@@ -189,12 +194,19 @@ class LogitRecorder:
         self.found: dict[str, list[torch.Tensor]] = {}
         self._saved: list[tuple[Any, str, Any]] = []
         self._inside = False
+        self._wrappers: dict[tuple[int, str], tuple[Any, Any]] = {}   # (PATCHED index, kind) -> (original, wrapper)
 
     def __enter__(self) -> "LogitRecorder":
-        for owner, name, kind in PATCHED:
+        """Start recording into a fresh :attr:`found` (one recorder serves pass after pass)."""
+        self.found = {}
+        for i, (owner, name, kind) in enumerate(PATCHED):
             # Tensor.softmax lives on the C base class: the wrapper shadows it on Tensor and is deleted on exit.
             self._saved.append((owner, name, owner.__dict__.get(name)))
-            setattr(owner, name, self._wrap(getattr(owner, name), kind))
+            original = getattr(owner, name)
+            made = self._wrappers.get((i, kind))
+            if made is None or made[0] is not original:    # made once per function (someone may patch it too)
+                made = self._wrappers[(i, kind)] = (original, self._wrap(original, kind))
+            setattr(owner, name, made[1])
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -246,13 +258,15 @@ class PrecursorMeter:
         self.cfg = precursor_policy()
         self.dtype = dtype
         self._stack = CallStack(root)
+        self._idle = LogitRecorder(self._stack, self.cfg["attn_logit"])      # reused by every sampled pass
         self._recorder: LogitRecorder | None = None
         self._step: int | None = None
         # Per pass: (step, 0-d device tensor); read once per interval, so the step each value was seen at is known.
         self._attn: dict[str, list[tuple[int | None, torch.Tensor]]] = {}
         self._out_max: list[tuple[int | None, torch.Tensor]] = []
         self._out_lse: list[tuple[int | None, torch.Tensor]] = []
-        self._massive: dict[str, tuple[int | None, torch.Tensor, torch.Tensor]] = {}    # step, |x| max, median
+        # step, min, max, |x| of the strided sample: the |x| max and the median are taken at the drain, all at once.
+        self._massive: dict[str, tuple[int | None, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def active(self) -> bool:
@@ -263,7 +277,7 @@ class PrecursorMeter:
         self.abort()
         self._step = step
         self._stack.__enter__()
-        self._recorder = LogitRecorder(self._stack, self.cfg["attn_logit"])
+        self._recorder = self._idle
         self._recorder.__enter__()
 
     def abort(self) -> None:
@@ -273,8 +287,10 @@ class PrecursorMeter:
             rec.__exit__(None, None, None)
             self._stack.__exit__()
 
-    def end_forward(self, outputs: list[torch.Tensor]) -> None:
-        """Stop recording; keep the pass's attention maxima and measure the first output that looks like logits."""
+    def end_forward(self, outputs: list[torch.Tensor],
+                    extremes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Stop recording; keep the pass's attention maxima and measure the first output that looks like logits.
+        ``extremes``: the (min, max) of ``outputs[0]``, if already computed (the statistics have them)."""
         rec = self._recorder
         if rec is None:
             return
@@ -283,16 +299,17 @@ class PrecursorMeter:
             best = torch.stack(values).amax() if len(values) > 1 else values[0]
             self._attn.setdefault(module, []).append((self._step, best))
         cfg = self.cfg["output_logit"]
-        for out in outputs:
+        for i, out in enumerate(outputs):
             if out.dim() >= 2 and out.shape[-1] >= cfg["min_classes"]:
                 try:
-                    self._measure_logits(out.detach(), int(cfg["sample_rows"]))
+                    self._measure_logits(out.detach(), int(cfg["sample_rows"]), extremes if i == 0 else None)
                 except _SKIPPED:
                     pass
                 break
 
-    def _measure_logits(self, out: torch.Tensor, sample_rows: int) -> None:
-        lo, hi = torch.aminmax(out)
+    def _measure_logits(self, out: torch.Tensor, sample_rows: int,
+                        extremes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        lo, hi = extremes if extremes is not None else torch.aminmax(out)
         self._out_max.append((self._step, torch.maximum(-lo, hi).float()))
         rows = out.reshape(-1, out.shape[-1])
         rows = rows[:: max(1, rows.shape[0] // sample_rows)][:sample_rows]
@@ -309,15 +326,32 @@ class PrecursorMeter:
         n = int(self.cfg["massive_activation"]["sample"])
         flat = t.detach().reshape(-1)
         lo, hi = extremes if extremes is not None else torch.aminmax(flat)
-        median = flat[:: max(1, flat.numel() // n)][:n].abs().float().median()
-        self._massive[module] = (self._step, torch.maximum(-lo, hi).float(), median)
+        # abs() copies the sample (the output may change in place later); its median waits for the drain.
+        self._massive[module] = (self._step, lo, hi, flat[:: max(1, flat.numel() // n)][:n].abs())
+
+    def _massive_values(self) -> list[torch.Tensor]:
+        """Per module of :attr:`_massive`: its output's min and max and its sample's median |x|, 0-d tensors (the
+        medians of samples of one length and dtype in one batched call)."""
+        rows = list(self._massive.values())
+        medians: list[Any] = [None] * len(rows)
+        by_kind: dict[tuple, list[int]] = {}
+        for i, (_, _, _, sample) in enumerate(rows):
+            by_kind.setdefault((sample.numel(), sample.dtype, sample.device), []).append(i)
+        for at in by_kind.values():
+            found = torch.stack([rows[i][3] for i in at]).float().median(dim=1).values
+            for i, m in zip(at, found):
+                medians[i] = m
+        out = []
+        for (_, lo, hi, _), median in zip(rows, medians):
+            out += [lo, hi, median]
+        return out
 
     def drain(self) -> list[dict]:
         """``precursor`` event fields for the passes since the last drain; resets. One host read for all signals."""
         if self._out_max:                       # the root's output was judged as logits, not as an activation
             self._massive.pop("", None)
         series = [self._attn[m] for m in sorted(self._attn)] + ([self._out_max, self._out_lse] if self._out_max else [])
-        pending = [v for s in series for _, v in s] + [v for _, a, m in self._massive.values() for v in (a, m)]
+        pending = [v for s in series for _, v in s] + (self._massive_values() if self._massive else [])
         # One stack on the first value's device and one read (a read per value would sync per value on CUDA).
         dev = pending[0].device if pending else None
         values = torch.stack([v.float().reshape(()).to(dev) for v in pending]).tolist() if pending else []
@@ -326,7 +360,8 @@ class PrecursorMeter:
             read.append([(step, v) for (step, _), v in zip(s, values[at:at + len(s)])])
             at += len(s)
         rest = values[at:]
-        massive = {m: (st, rest[2 * i], rest[2 * i + 1]) for i, (m, (st, _, _)) in enumerate(self._massive.items())}
+        massive = {m: (row[0], _absmax(*rest[3 * i: 3 * i + 2]), rest[3 * i + 2])
+                   for i, (m, row) in enumerate(self._massive.items())}
         out = [self._event("attn_logit", m, r, self.cfg["attn_logit"]["warning"])
                for m, r in zip(sorted(self._attn), read)]
         if self._out_max:
