@@ -168,3 +168,40 @@ def test_export_budget_leaves_the_shape_env_as_it_was():
     else:
         raise AssertionError("a budget of 0 let an unbacked size through")
     assert ShapeEnv.create_unbacked_symint is before
+
+
+class Cache:
+    """An output type pytree does not know (as transformers' EncoderDecoderCache)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class ReturnsCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x).softmax(-1)
+        return h, Cache(h)
+
+
+def test_export_returning_an_unknown_type_is_not_retried_without_autocast(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    report = ampaudit.check(ReturnsCache(), torch.randn(4, 8), device="cpu", dtype="bfloat16")
+    assert report.capture == "dispatch"
+    assert calls == [torch.bfloat16]          # the fp32 forward returns the same type: one trace, not two
+    assert any("export was not used" in n and "not a known type" in n for n in report.notes)
+    assert {f.module for f in report.findings if f.rule == "AMP201"}
+
+
+def test_unflattenable_output_reads_torchs_own_error():
+    try:
+        torch.export.export(ReturnsCache(), (torch.randn(4, 8),), strict=False)
+    except Exception as exc:     # noqa: BLE001 - the error torch raises is the point
+        assert export_capture.unflattenable_output(exc) and export_capture.fails_in_any_dtype(exc)
+    else:
+        raise AssertionError("torch.export flattened an unregistered class")
+    assert not export_capture.unflattenable_output(RuntimeError("mat1 and mat2 must have the same dtype"))
+    assert not export_capture.fails_in_any_dtype(TypeError("'NoneType' object is not subscriptable"))
