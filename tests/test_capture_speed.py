@@ -205,3 +205,44 @@ def test_unflattenable_output_reads_torchs_own_error():
         raise AssertionError("torch.export flattened an unregistered class")
     assert not export_capture.unflattenable_output(RuntimeError("mat1 and mat2 must have the same dtype"))
     assert not export_capture.fails_in_any_dtype(TypeError("'NoneType' object is not subscriptable"))
+
+
+class TopHalf(nn.Module):
+    """A tuple-returning op (topk) between two layers: its items are getitem nodes, each with its own example."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        values, indices = self.fc(x).topk(4, dim=-1)
+        return values.softmax(-1), indices
+
+
+def test_dispatch_examples_are_meta_tensors_of_each_recorded_output():
+    from ampaudit.capture import capture_dispatch
+    from ampaudit.graph_meta import example_of
+    from ampaudit.policy import Policy
+
+    model, x = TopHalf(), torch.randn(3, 8)
+    cap = capture_dispatch(model, (x,), {}, policy=Policy.load("cpu", "bfloat16"))
+    ops = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    topk = next(n for n in ops if getattr(n.target, "_opname", "") == "topk")
+    values, indices = (example_of(n) for n in ops if n.args and n.args[0] is topk)
+    assert all(isinstance(t, torch.Tensor) and t.is_meta for t in example_of(topk))
+    assert (values.shape, values.dtype) == ((3, 4), torch.bfloat16)      # the dtype autocast gave it
+    assert (indices.shape, indices.dtype) == ((3, 4), torch.long)
+    softmax = next(n for n in ops if getattr(n.target, "_opname", "") == "_softmax")
+    assert example_of(softmax).shape == (3, 4) and example_of(softmax).is_meta
+
+
+def test_dispatch_graph_module_generates_its_code_only_when_called():
+    from ampaudit.capture import capture_dispatch
+
+    model, x = TopHalf(), torch.randn(3, 8)
+    gm = capture_dispatch(model, (x,), {}).gm
+    assert "_code" not in gm.__dict__                                  # nothing generated while capturing
+    values, indices = gm(x)                                            # calling it generates and runs it
+    expected = model(x)
+    assert torch.allclose(values, expected[0]) and torch.equal(indices, expected[1])
+    assert "topk" in gm.code
