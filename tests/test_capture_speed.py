@@ -246,3 +246,24 @@ def test_dispatch_graph_module_generates_its_code_only_when_called():
     expected = model(x)
     assert torch.allclose(values, expected[0]) and torch.equal(indices, expected[1])
     assert "topk" in gm.code
+
+
+def test_map_tensors_agrees_with_tree_map():
+    from collections import namedtuple
+
+    from torch.utils._pytree import tree_map
+
+    from ampaudit.capture import dispatch_capture
+
+    Pair = namedtuple("Pair", "a b")
+    a, b = torch.zeros(2), torch.ones(3, dtype=torch.long)
+    values = [a, (a, [b, None, 2.5]), {"x": a, "y": [1, True]}, torch.Size([2, 3]), Pair(a, 3),
+              [torch.float16, torch.device("cpu"), "s", torch.strided, torch.channels_last], ()]
+
+    def fn(t):
+        return t.shape
+
+    for v in values:
+        expected = tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, v)
+        got = dispatch_capture._map_tensors(fn, v)
+        assert got == expected and type(got) is type(expected)

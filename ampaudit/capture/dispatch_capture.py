@@ -37,12 +37,28 @@ class _Shape:
         self.shape, self.dtype = t.shape, t.dtype
 
 
-def _shape_of(value):
-    return _Shape(value) if isinstance(value, torch.Tensor) else value
+def _meta_of(shape: _Shape) -> torch.Tensor:
+    return torch.empty(shape.shape, dtype=shape.dtype, device="meta")
 
 
-def _meta_of(value):
-    return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, _Shape) else value
+# What an aten op's arguments and results hold besides tensors and plain lists, tuples and dicts of them.
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _map_tensors(fn, value, leaf: type = torch.Tensor):
+    """``tree_map(lambda v: fn(v) if isinstance(v, leaf) else v, value)`` without pytree's per-leaf machinery
+    (tens of microseconds a call, twice per op of the forward) for what aten ops take and return; any other
+    container goes to tree_map."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind([_map_tensors(fn, v, leaf) for v in value])
+    if isinstance(value, leaf):
+        return fn(value)
+    if kind in _LEAVES:
+        return value
+    if kind is dict:
+        return {k: _map_tensors(fn, v, leaf) for k, v in value.items()}
+    return tree_map(lambda v: fn(v) if isinstance(v, leaf) else v, value)
 
 
 def _graph_module(root: dict, graph: fx.Graph, name: str) -> fx.GraphModule:
@@ -131,10 +147,10 @@ class _Recorder(TorchDispatchMode):
         return self._add(func, args, kwargs, out)
 
     def _add(self, func, args, kwargs, out):
-        n_args, n_kwargs = tree_map(lambda a: self._node_for(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
-        node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
+        node = self.graph.call_function(func, _map_tensors(self._node_for, tuple(args)),
+                                        _map_tensors(self._node_for, dict(kwargs)))
         set_origin(node, self.modules.current, user_frame())
-        self.pending.append((node, tree_map(_shape_of, out)))
+        self.pending.append((node, _map_tensors(_Shape, out)))
         if isinstance(out, torch.Tensor):
             self.known[out] = node
         elif isinstance(out, (tuple, list)):
@@ -152,7 +168,7 @@ class _Recorder(TorchDispatchMode):
         this recorded path. Made once the forward is over: inside it every torch.empty would pass through the
         CUDA simulation's dispatch mode, at ten times the cost."""
         for node, shapes in self.pending:
-            node.meta[EXAMPLE_KEY] = tree_map(_meta_of, shapes)
+            node.meta[EXAMPLE_KEY] = _map_tensors(_meta_of, shapes, _Shape)
         self.pending.clear()
 
 
