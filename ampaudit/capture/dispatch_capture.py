@@ -166,7 +166,7 @@ class _Recorder(TorchDispatchMode):
         """What each op really returned, as meta tensors, on its node (EXAMPLE_KEY): propagation falls back on it
         where an op has no fake kernel (nonzero, data-dependent indexing), so shapes downstream stay known for
         this recorded path. Made once the forward is over: inside it every torch.empty would pass through the
-        CUDA simulation's dispatch mode, at ten times the cost."""
+        CUDA simulation's dispatch mode, at many times the cost."""
         for node, shapes in self.pending:
             node.meta[EXAMPLE_KEY] = _map_tensors(_meta_of, shapes, _Shape)
         self.pending.clear()
