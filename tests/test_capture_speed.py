@@ -168,3 +168,102 @@ def test_export_budget_leaves_the_shape_env_as_it_was():
     else:
         raise AssertionError("a budget of 0 let an unbacked size through")
     assert ShapeEnv.create_unbacked_symint is before
+
+
+class Cache:
+    """An output type pytree does not know (as transformers' EncoderDecoderCache)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class ReturnsCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x).softmax(-1)
+        return h, Cache(h)
+
+
+def test_export_returning_an_unknown_type_is_not_retried_without_autocast(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    report = ampaudit.check(ReturnsCache(), torch.randn(4, 8), device="cpu", dtype="bfloat16")
+    assert report.capture == "dispatch"
+    assert calls == [torch.bfloat16]          # the fp32 forward returns the same type: one trace, not two
+    assert any("export was not used" in n and "not a known type" in n for n in report.notes)
+    assert {f.module for f in report.findings if f.rule == "AMP201"}
+
+
+def test_unflattenable_output_reads_torchs_own_error():
+    try:
+        torch.export.export(ReturnsCache(), (torch.randn(4, 8),), strict=False)
+    except Exception as exc:     # noqa: BLE001 - the error torch raises is the point
+        assert export_capture.unflattenable_output(exc) and export_capture.fails_in_any_dtype(exc)
+    else:
+        raise AssertionError("torch.export flattened an unregistered class")
+    assert not export_capture.unflattenable_output(RuntimeError("mat1 and mat2 must have the same dtype"))
+    assert not export_capture.fails_in_any_dtype(TypeError("'NoneType' object is not subscriptable"))
+
+
+class TopHalf(nn.Module):
+    """A tuple-returning op (topk) between two layers: its items are getitem nodes, each with its own example."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        values, indices = self.fc(x).topk(4, dim=-1)
+        return values.softmax(-1), indices
+
+
+def test_dispatch_examples_are_meta_tensors_of_each_recorded_output():
+    from ampaudit.capture import capture_dispatch
+    from ampaudit.graph_meta import example_of
+    from ampaudit.policy import Policy
+
+    model, x = TopHalf(), torch.randn(3, 8)
+    cap = capture_dispatch(model, (x,), {}, policy=Policy.load("cpu", "bfloat16"))
+    ops = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    topk = next(n for n in ops if getattr(n.target, "_opname", "") == "topk")
+    values, indices = (example_of(n) for n in ops if n.args and n.args[0] is topk)
+    assert all(isinstance(t, torch.Tensor) and t.is_meta for t in example_of(topk))
+    assert (values.shape, values.dtype) == ((3, 4), torch.bfloat16)      # the dtype autocast gave it
+    assert (indices.shape, indices.dtype) == ((3, 4), torch.long)
+    softmax = next(n for n in ops if getattr(n.target, "_opname", "") == "_softmax")
+    assert example_of(softmax).shape == (3, 4) and example_of(softmax).is_meta
+
+
+def test_dispatch_graph_module_generates_its_code_only_when_called():
+    from ampaudit.capture import capture_dispatch
+
+    model, x = TopHalf(), torch.randn(3, 8)
+    gm = capture_dispatch(model, (x,), {}).gm
+    assert "_code" not in gm.__dict__                                  # nothing generated while capturing
+    values, indices = gm(x)                                            # calling it generates and runs it
+    expected = model(x)
+    assert torch.allclose(values, expected[0]) and torch.equal(indices, expected[1])
+    assert "topk" in gm.code
+
+
+def test_map_tensors_agrees_with_tree_map():
+    from collections import namedtuple
+
+    from torch.utils._pytree import tree_map
+
+    from ampaudit.capture import dispatch_capture
+
+    Pair = namedtuple("Pair", "a b")
+    a, b = torch.zeros(2), torch.ones(3, dtype=torch.long)
+    values = [a, (a, [b, None, 2.5]), {"x": a, "y": [1, True]}, torch.Size([2, 3]), Pair(a, 3),
+              [torch.float16, torch.device("cpu"), "s", torch.strided, torch.channels_last], ()]
+
+    def fn(t):
+        return t.shape
+
+    for v in values:
+        expected = tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, v)
+        got = dispatch_capture._map_tensors(fn, v)
+        assert got == expected and type(got) is type(expected)

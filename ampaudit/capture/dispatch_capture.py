@@ -28,10 +28,48 @@ from ampaudit.simulate import observing, target_autocast
 
 
 
-def _meta_like(value):
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    return value
+class _Shape:
+    """A recorded output's shape and dtype, kept until the forward is over (see :meth:`_Recorder.examples`)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype = t.shape, t.dtype
+
+
+def _meta_of(shape: _Shape) -> torch.Tensor:
+    return torch.empty(shape.shape, dtype=shape.dtype, device="meta")
+
+
+# What an aten op's arguments and results hold besides tensors and plain lists, tuples and dicts of them.
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _map_tensors(fn, value, leaf: type = torch.Tensor):
+    """``tree_map(lambda v: fn(v) if isinstance(v, leaf) else v, value)`` without pytree's per-leaf machinery
+    (tens of microseconds a call, twice per op of the forward) for what aten ops take and return; any other
+    container goes to tree_map."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind([_map_tensors(fn, v, leaf) for v in value])
+    if isinstance(value, leaf):
+        return fn(value)
+    if kind in _LEAVES:
+        return value
+    if kind is dict:
+        return {k: _map_tensors(fn, v, leaf) for k, v in value.items()}
+    return tree_map(lambda v: fn(v) if isinstance(v, leaf) else v, value)
+
+
+def _graph_module(root: dict, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated only if something calls it or reads ``.code``: propagation
+    and the rules only walk the graph, and generating and compiling a detection model's 3000-line forward is a
+    tenth of a second (torch's own lazy GraphModule; a plain one where this torch has none)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:         # pragma: no cover - torch without the lazy variant
+        return fx.GraphModule(root, graph, name)
+    return _LazyGraphModule(root, graph, name)
 
 
 # Ops that only describe tensors, not compute with them: kept out of the graph.
@@ -74,6 +112,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph, self.modules, self.known, self.consts = graph, modules, known, consts
         self.paused = False    # inside an op the simulation runs: its casts and pieces are not the model's
+        self.pending: list[tuple[fx.Node, object]] = []   # (node, its output as _Shape leaves)
 
     def _node_for(self, t: torch.Tensor) -> fx.Node:
         node = self.known.get(t)
@@ -108,22 +147,29 @@ class _Recorder(TorchDispatchMode):
         return self._add(func, args, kwargs, out)
 
     def _add(self, func, args, kwargs, out):
-        n_args, n_kwargs = tree_map(lambda a: self._node_for(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
-        node = self.graph.call_function(func, tuple(n_args), dict(n_kwargs))
+        node = self.graph.call_function(func, _map_tensors(self._node_for, tuple(args)),
+                                        _map_tensors(self._node_for, dict(kwargs)))
         set_origin(node, self.modules.current, user_frame())
-        # What the op really returned, as meta tensors: propagation falls back on it where an op has no fake
-        # kernel (nonzero, data-dependent indexing), so shapes downstream stay known for this recorded path.
-        node.meta[EXAMPLE_KEY] = tree_map(_meta_like, out)
+        self.pending.append((node, _map_tensors(_Shape, out)))
         if isinstance(out, torch.Tensor):
             self.known[out] = node
         elif isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     item = self.graph.call_function(_getitem, (node, i))
-                    item.meta.update({MODULE_KEY: node.meta[MODULE_KEY], SOURCE_KEY: node.meta[SOURCE_KEY],
-                                      EXAMPLE_KEY: _meta_like(o)})
+                    item.meta.update({MODULE_KEY: node.meta[MODULE_KEY], SOURCE_KEY: node.meta[SOURCE_KEY]})
+                    self.pending.append((item, _Shape(o)))
                     self.known[o] = item
         return out
+
+    def examples(self) -> None:
+        """What each op really returned, as meta tensors, on its node (EXAMPLE_KEY): propagation falls back on it
+        where an op has no fake kernel (nonzero, data-dependent indexing), so shapes downstream stay known for
+        this recorded path. Made once the forward is over: inside it every torch.empty would pass through the
+        CUDA simulation's dispatch mode, at many times the cost."""
+        for node, shapes in self.pending:
+            node.meta[EXAMPLE_KEY] = _map_tensors(_meta_of, shapes, _Shape)
+        self.pending.clear()
 
 
 def _getitem(seq, i):
@@ -137,8 +183,11 @@ def _record(model, args, kwargs, graph, modules, known, consts, device_type, pol
     amp = contextlib.nullcontext() if policy is None else target_autocast(policy, device_type)
     recorder = _Recorder(graph, modules, known, consts)
     # The target's autocast outside the recorder: the simulation's own dispatch mode must not be recorded.
-    with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only(model):
-        return model(*args, **kwargs)
+    try:
+        with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only(model):
+            return model(*args, **kwargs)
+    finally:
+        recorder.examples()
 
 
 def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None,
@@ -177,5 +226,5 @@ def capture_dispatch(model: nn.Module, args: tuple, kwargs: dict, *, policy: Pol
     outs = [known.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     graph.output(tuple(o for o in outs if o is not None))
     graph.eliminate_dead_code()
-    gm = fx.GraphModule({**attrs, **consts}, graph, type(model).__name__)
+    gm = _graph_module({**attrs, **consts}, graph, type(model).__name__)
     return Capture(gm=gm, mode="dispatch", root=model, notes=list(_notes or []))

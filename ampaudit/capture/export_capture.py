@@ -163,6 +163,15 @@ def _export_meta(model: nn.Module, args: tuple, kwargs: dict, policy: Policy):
     return ep
 
 
+def _causes(exc: BaseException | None):
+    """``exc`` and the errors it was raised ``from``: export re-raises some errors from the one that stopped it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        yield exc
+        seen.add(id(exc))
+        exc = exc.__cause__     # not __context__: an error raised while one was being handled is its own
+
+
 def data_dependent(exc: BaseException) -> bool:
     """Whether export failed on control flow or an output size that depends on tensor values (detection models'
     NMS). The dtypes do not change that, so an export without autocast would fail the same way, a second
@@ -172,13 +181,24 @@ def data_dependent(exc: BaseException) -> bool:
 
     kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException,
              TooDataDependent)
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:     # export re-raises some of them ``from`` the guard's error
-        if isinstance(exc, kinds):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__     # not __context__: an error raised while one was being handled is its own
-    return False
+    return any(isinstance(e, kinds) for e in _causes(exc))
+
+
+# What torch (torch/_functorch/_aot_autograd/utils.py) raises once the whole forward is traced, when it returns
+# an object pytree cannot flatten (a transformers cache class): no dtype changes the type a forward returns.
+_UNKNOWN_OUTPUT = re.compile(r"^Found <class '[^']+'> in output, which is not a known type\.")
+
+
+def unflattenable_output(exc: BaseException) -> bool:
+    """Whether export failed because the forward returns a type torch.export cannot flatten (Whisper's
+    ``EncoderDecoderCache``)."""
+    return any(isinstance(e, RuntimeError) and _UNKNOWN_OUTPUT.match(str(e)) for e in _causes(exc))
+
+
+def fails_in_any_dtype(exc: BaseException) -> bool:
+    """Whether an export under autocast failed for a reason the dtypes do not touch (:func:`data_dependent`,
+    :func:`unflattenable_output`), so an fp32 export would fail the same way after a second full trace."""
+    return data_dependent(exc) or unflattenable_output(exc)
 
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Policy | None = None,
@@ -196,7 +216,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Polic
         try:
             ep = _export(model, args, kwargs, policy, unbacked_limit)
         except Exception as first:
-            if policy is None or data_dependent(first):
+            if policy is None or fails_in_any_dtype(first):
                 raise
             ep = _export(model, args, kwargs, None, unbacked_limit)
         gm = ep.module()
