@@ -36,6 +36,7 @@ backward, which needs them unchanged). It needs FP32 parameters (autocast traini
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.notes import note
 from ampaudit.dtypes import is_low
-from ampaudit.policy import op_names
+from ampaudit.policy import op_names, settings
 from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
 from ampaudit.runtime.module_stack import module_names
 from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
@@ -53,6 +54,7 @@ from ampaudit.wrappers import unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample_copy
 from ampaudit.runtime.divergence_results import ROUNDING_OF as _ROUNDING_OF, module_ranges, read_events
 from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
+from ampaudit.runtime.shadow_calls import ShadowCalls
 from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -122,6 +124,7 @@ class DivergenceProbe:
         self._batch = MetricBatch(METRIC_SAMPLE)
         self._shadow_out: list[torch.Tensor] = []
         self._in_shadow = False
+        self._calls_kept: ShadowCalls | None = None     # during a shadow with composite re-runs
         self.active = self._recorded = False
         self._param_versions, self._param_names = [], {}
         self._run_local_now = bool(self._local_mods)
@@ -216,6 +219,10 @@ class DivergenceProbe:
             for mod in (self._local_mods if self._run_composites_now else self._local_mods - self._composites):
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
+        # After _shadow_post's hook: a composite's re-run (in it) reads the frame this one closes.
+        cap = int(settings()["calibration"]["shadow_calls_mib"]) << 20
+        self._calls_kept = ShadowCalls(self.names, cap_bytes=cap) if self._run_composites_now else None
+        kept = self._calls_kept.hook() if self._calls_kept is not None else []
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
         self._in_shadow = True
         self._last_real = None
@@ -225,6 +232,9 @@ class DivergenceProbe:
                 out = self.root(*upcast(args), **upcast(kwargs))
         finally:
             self._in_shadow = False
+            for h in kept:
+                h.remove()
+            self._calls_kept = None
             # The FP32 graph saved some buffers (BatchNorm's running stats): putting them back bumps their
             # version, which its backward would refuse. With the gradient scope they wait for ``grads``.
             if grad:
@@ -318,9 +328,11 @@ class DivergenceProbe:
         self._in_local = True
         if mod in self._composites:
             self._own.start(mod, args, fp32, self._out_dtypes)
+        served = (self._calls_kept.serving(mod, self._own) if mod in self._composites and self._calls_kept is not None
+                  else contextlib.nullcontext())
         try:
             with rng_replayed({"cpu": state, "cuda": cuda_state}), torch.no_grad(), \
-                    torch.autocast(self.device_type, dtype=self.dtype, enabled=True):
+                    torch.autocast(self.device_type, dtype=self.dtype, enabled=True), served:
                 lo = mod(*args, **kwargs)
         finally:
             self._own.stop()

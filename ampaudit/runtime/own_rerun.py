@@ -85,6 +85,10 @@ class ChildrenInFP32:
         self._handed.extend(rounding_pairs(rounded, out))
         return rounded
 
+    def outermost(self) -> nn.Module | None:
+        """The submodule computing in FP32 now (the outermost one the composite called), if any."""
+        return self._child[0] if self._child is not None else None
+
     def handed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(rounded, FP32) pairs of the children's outputs the last re-run handed the composite."""
         return self._handed
