@@ -47,11 +47,11 @@ from torch.nn.modules.module import register_module_forward_hook
 from ampaudit.notes import note
 from ampaudit.dtypes import is_low
 from ampaudit.policy import op_names, settings
-from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
+from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, rounds_to, upcast
 from ampaudit.runtime.module_stack import module_names
 from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
 from ampaudit.wrappers import unwrap
-from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample_copy
+from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample, sample_copy
 from ampaudit.runtime.divergence_results import ROUNDING_OF as _ROUNDING_OF, module_ranges, read_events
 from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
 from ampaudit.runtime.shadow_calls import ShadowCalls
@@ -340,7 +340,10 @@ class DivergenceProbe:
         # Against the FP32 answer as the module's output dtype holds it: rounding the exact result is the
         # dtype's range (values in fp16's subnormals lose digits in any module that outputs them; AMP503 reports
         # them), not the module's code; a pass-through module fed such values would read as a culprit.
-        stored = [(a, as_stored(b, a.dtype), b) for a, b in zip(float_tensors(lo), refs) if a.shape == b.shape]
+        # Rounded on the elements the metrics read (``sample``: the same ones of ``a`` and ``b``, elementwise the
+        # same numbers), not over the whole output.
+        stored = [(a, as_stored(sample(b, METRIC_SAMPLE), a.dtype), b) for a, b in zip(float_tensors(lo), refs)
+                  if a.shape == b.shape]
         sums = self._batch.add([(a, s) for a, s, _ in stored])
         if sums is None:
             return
@@ -349,7 +352,7 @@ class DivergenceProbe:
         # before it saw them, and the exact answer stored in its output dtype. In the dtype's normal range each
         # is at most a unit roundoff; in its subnormals far more (attribution excuses an own error they explain).
         inputs = rounding_pairs(args, fp32) + (self._own.handed() if mod in self._composites else [])
-        output = [(s, b) for _, s, b in stored if s is not b]
+        output = [(s, b) for a, s, b in stored if rounds_to(b.dtype, a.dtype)]
         for key, pairs in (("input_rel_l2", inputs), ("output_rel_l2", output)):
             part = self._batch.add(pairs) if pairs else None
             if part is not None:
