@@ -105,3 +105,20 @@ def test_the_kept_tensors_stay_under_the_cap(monkeypatch):
     monkeypatch.setitem(settings()["calibration"], "shadow_calls_mib", 0)
     compare_to_fp32(model, (x,), {}, dtype=torch.bfloat16)
     assert seen and max(seen) == 0
+
+
+def test_a_leafs_own_rerun_is_not_kept_as_a_shadow_call(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(3, 16)
+    kept = []
+    real_post = shadow_calls.ShadowCalls._post
+
+    def post(self, mod, args, kwargs, out):
+        before = len(self._stack)
+        real_post(self, mod, args, kwargs, out)
+        if not self.paused and len(self._stack) < before:
+            kept.append(mod)
+    monkeypatch.setattr(shadow_calls.ShadowCalls, "_post", post)
+    compare_to_fp32(model, (x,), {}, dtype=torch.bfloat16)
+    # One frame per module call of the shadow (the shared Linear twice), none for the re-runs.
+    assert len(kept) == sum(1 for _ in model.modules()) + 1

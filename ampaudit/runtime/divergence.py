@@ -339,8 +339,9 @@ class DivergenceProbe:
         self._in_local = True
         if mod in self._composites:
             self._own.start(mod, args, fp32, self._out_dtypes)
-        served = (self._calls_kept.serving(mod, self._own) if mod in self._composites and self._calls_kept is not None
-                  else contextlib.nullcontext())
+        kept = self._calls_kept
+        served = (contextlib.nullcontext() if kept is None else
+                  kept.serving(mod, self._own) if mod in self._composites else kept.quiet())
         try:
             with rng_replayed({"cpu": state, "cuda": cuda_state}), torch.no_grad(), \
                     torch.autocast(self.device_type, dtype=self.dtype, enabled=True), served:

@@ -113,6 +113,15 @@ class ShadowCalls:
             c.args = c.kwargs = c.out = None
 
     @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """While active (a leaf's own re-run), calls are not kept: they are the re-run's, not the shadow's."""
+        was, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was
+
+    @contextlib.contextmanager
     def serving(self, composite: nn.Module, own: Any) -> Iterator[None]:
         """While active (the re-run of ``composite``, the innermost module whose shadow call is running), its
         submodules' calls are returned from the shadow where they match; ``own`` is the re-run's
