@@ -122,3 +122,33 @@ def test_a_leafs_own_rerun_is_not_kept_as_a_shadow_call(monkeypatch):
     compare_to_fp32(model, (x,), {}, dtype=torch.bfloat16)
     # One frame per module call of the shadow (the shared Linear twice), none for the re-runs.
     assert len(kept) == sum(1 for _ in model.modules()) + 1
+
+
+class WritesKeyword(nn.Module):
+    def forward(self, x, *, scale):
+        scale.mul_(1.0)              # a write that keeps the values: only the version counter tells
+        return x * scale
+
+
+class PassesKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.child = nn.Linear(16, 16), WritesKeyword()
+
+    def forward(self, x):
+        return self.child(self.lin(x), scale=torch.ones(16))
+
+
+def test_a_child_that_writes_into_a_keyword_input_is_computed_not_served(monkeypatch):
+    torch.manual_seed(0)
+    outcomes = []
+    real = shadow_calls.ShadowCalls._matches
+
+    def matches(self, call, args, kwargs):
+        ok = real(self, call, args, kwargs)
+        outcomes.append((type(call.mod).__name__, ok))
+        return ok
+    monkeypatch.setattr(shadow_calls.ShadowCalls, "_matches", matches)
+    _rows(nn.Sequential(PassesKeyword()).eval(), torch.randn(3, 16), 2048, monkeypatch)
+    assert ("PassesKeyword", True) in outcomes          # the container's child is served ...
+    assert all(name != "WritesKeyword" for name, _ in outcomes)    # ... the writer is never kept

@@ -253,6 +253,8 @@ class DivergenceProbe:
     def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._in_local:
             return self._own.pre(mod, args, kwargs)
+        if self._calls_kept is not None and kwargs:
+            self._calls_kept.note_kwargs(mod, kwargs)
         if not self._own_mod(mod):
             return None
         if mod in self._neutral and not self._low_fed(self.names[mod], self._calls.get(self.names[mod], 0)):

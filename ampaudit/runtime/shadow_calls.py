@@ -17,7 +17,8 @@ cloned (the composite may write into it). A call is served only when all of this
 - its inputs are equal to the shadow's, tensor by tensor (``torch.equal``, same dtype and shape; NaN never
   matches) and every other argument the same object or an equal number or string;
 - neither those inputs nor its outputs were written in place since the shadow's call (version counters), and
-  its own forward did not write into its inputs;
+  its own forward did not write into its inputs (their versions before the call: positional ones from the global
+  pre-hook, keyword ones from :meth:`ShadowCalls.note_kwargs`; a call whose tensors were not all seen is not kept);
 - the CPU RNG state is the one the shadow's call started from; it is then set to where that call left it;
 - every tensor is on the CPU (a GPU's RNG state is not compared here), and it is the outermost submodule of the
   re-run (the one ``ChildrenInFP32`` turned to FP32) and called as a module.
@@ -86,12 +87,17 @@ class ShadowCalls:
             return
         self._stack.append(_Call(mod, torch.get_rng_state(), {id(t): t._version for t in _tensors(args)}))
 
+    def note_kwargs(self, mod: nn.Module, kwargs: dict) -> None:
+        """From a pre-hook with kwargs on ``mod`` (after the global one): the versions of its keyword tensors."""
+        if not self.paused and len(self._stack) > 1 and self._stack[-1].mod is mod:
+            self._stack[-1].versions.update((id(t), t._version) for t in _tensors(kwargs))
+
     def _post(self, mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if self.paused or mod not in self.names or len(self._stack) < 2 or self._stack[-1].mod is not mod:
             return
         call = self._stack.pop()
         ins, outs = _tensors((args, kwargs)), _tensors(out)
-        keep = (all(call.versions.get(id(t)) == t._version for t in _tensors(args)) and
+        keep = (all(call.versions.get(id(t)) == t._version for t in ins) and
                 all(t.device.type == "cpu" for t in ins + outs))
         size = sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values())
         if keep and self.held + size <= self.cap_bytes:
@@ -154,7 +160,11 @@ class ShadowCalls:
                 return real(*args, **kwargs)
             queue = serving[2].get(mod)
             call = queue.pop(0) if queue else None
-            if call is not None and self._matches(call, args, kwargs):
+            try:
+                hit = call is not None and self._matches(call, args, kwargs)
+            except Exception:  # noqa: BLE001 - a tensor subclass without torch.equal: computed, not served
+                hit = False
+            if hit:
                 torch.set_rng_state(call.rng_after)
                 self.served += 1
                 return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, call.out)
