@@ -46,16 +46,16 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.notes import note
 from ampaudit.dtypes import is_low
-from ampaudit.policy import op_names, settings
+from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, rounds_to, upcast
 from ampaudit.runtime.module_stack import module_names
 from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
 from ampaudit.wrappers import unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample, sample_copy
-from ampaudit.runtime.divergence_results import ROUNDING_OF as _ROUNDING_OF, module_ranges, read_events
+from ampaudit.runtime.divergence_results import (ROUNDING_OF as _ROUNDING_OF, Sampled, module_ranges, range_of,
+                                                 read_events, sampled_pairs)
 from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
 from ampaudit.runtime.shadow_calls import ShadowCalls
-from ampaudit.runtime.stats import full_counts
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
@@ -66,20 +66,6 @@ AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
     if isinstance(getattr(nn, name, None), type))
 _NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
 _ZERO_ERROR = (0.0, 0.0, 0.0, 0.0, 0.0)  # metric sums of two identical tensors: rel_l2 0, max_abs 0
-
-
-class _Sampled:
-    """A copy of the elements of a real output that the metrics read, and the output's full shape."""
-
-    __slots__ = ("shape", "values")
-
-    def __init__(self, shape: torch.Size, values: torch.Tensor):
-        self.shape, self.values = shape, values
-
-
-def _sampled_pairs(reals: list[_Sampled], refs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # A sample is taken with the stride of the full tensor, so it lines up with the reference's.
-    return [(r.values, b) for r, b in zip(reals, refs) if r.shape == b.shape]
 
 
 class DivergenceProbe:
@@ -183,7 +169,7 @@ class DivergenceProbe:
             if self._last_real is not None and self._last_real[0] is t:
                 clones.append(self._last_real[1])
             else:
-                c = _Sampled(t.shape, sample_copy(t, METRIC_SAMPLE))
+                c = Sampled(t.shape, sample_copy(t, METRIC_SAMPLE))
                 self._last_real = (t, c)
                 clones.append(c)
         self._real.setdefault(name, []).append(clones)
@@ -221,8 +207,7 @@ class DivergenceProbe:
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
         # After _shadow_post's hook: a composite's re-run (in it) reads the frame this one closes.
-        cap = int(settings()["calibration"]["shadow_calls_mib"]) << 20
-        self._calls_kept = ShadowCalls(self.names, cap_bytes=cap) if self._run_composites_now else None
+        self._calls_kept = ShadowCalls(self.names) if self._run_composites_now else None
         kept = self._calls_kept.hook() if self._calls_kept is not None else []
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
         self._in_shadow = True
@@ -278,7 +263,7 @@ class DivergenceProbe:
         reals = self._real.get(name, [])
         tag = {"module": name} if call == 0 else {"module": name, "call": call}
         if call < len(reals):
-            pairs = _sampled_pairs(reals[call], refs)
+            pairs = sampled_pairs(reals[call], refs)
             last = self._last_ref
             if len(pairs) == 1 and last is not None and last[0] is pairs[0][0] and last[1] is pairs[0][1]:
                 sums = last[2]                            # same tensors as the child just compared
@@ -295,7 +280,8 @@ class DivergenceProbe:
             try:
                 sized = [r for r in refs if r.numel()]
                 if sized:
-                    self._range.append((name, *self._range_of(sized)))
+                    counts, amax, self._last_range = range_of(sized, self.dtype, self._last_range)
+                    self._range.append((name, counts, amax))
             except Exception as exc:
                 note(f"range statistics of {name or 'the top module'} skipped: {type(exc).__name__}: "
                      f"{' '.join(str(exc).split())[:120]}")
@@ -318,18 +304,6 @@ class DivergenceProbe:
                     note(f"own error of {name or 'the top module'} skipped: its re-run on its real input dtypes "
                          f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
         return None
-
-    def _range_of(self, refs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # (counts, absmax) of these outputs. A container returns its last child's output and a wrapper its
-        # inner module's: the same tensors, unwritten since (version counters), reuse that module's statistics.
-        last = self._last_range
-        if (last is not None and len(last[0]) == len(refs)
-                and all(a is b and a._version == v for a, b, v in zip(refs, last[0], last[1]))):
-            return last[2], last[3]
-        counts = torch.stack([full_counts(r.detach(), self.dtype)[0] for r in refs]).sum(0)
-        amax = torch.stack([r.detach().abs().amax().float() for r in refs]).amax()
-        self._last_range = (refs, [r._version for r in refs], counts, amax)
-        return counts, amax
 
     def _low_fed(self, name: str, call: int) -> bool:
         # A neutral module fed fp32 stays fp32 (own error 0 without a re-run); fed fp16/bf16 it computes there.

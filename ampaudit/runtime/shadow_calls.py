@@ -1,6 +1,6 @@
 """The FP32 shadow's submodule calls, kept so a composite's own re-run need not compute them again.
 
-    calls = ShadowCalls(names, cap_bytes=2 << 30)
+    calls = ShadowCalls(names)              # holds at most settings.toml's [calibration] shadow_calls_mib
     handles = calls.hook()                  # during the FP32 shadow forward: a frame per module call
     ...                                     # in the composite's post hook, before its re-run:
     with calls.serving(composite, own):     # its children return their shadow outputs where nothing differs
@@ -37,6 +37,8 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ampaudit.policy import settings
+
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -68,8 +70,10 @@ def _same(a: Any, b: Any) -> bool:
 class ShadowCalls:
     """The shadow's module calls (see the module docstring); ``served`` counts the calls returned from here."""
 
-    def __init__(self, names: dict[nn.Module, str], *, cap_bytes: int):
-        self.names, self.cap_bytes = names, cap_bytes
+    def __init__(self, names: dict[nn.Module, str], *, cap_bytes: int | None = None):
+        # Default: rules/policy/settings.toml [calibration] shadow_calls_mib.
+        self.names = names
+        self.cap_bytes = (int(settings()["calibration"]["shadow_calls_mib"]) << 20) if cap_bytes is None else cap_bytes
         self.paused = False
         self.held = 0
         self.served = 0
