@@ -2,6 +2,9 @@
 forward+backward of the same batch (random init, batch 2, cuda float16 simulated on the CPU, one thread).
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/calibrate_stages.py swin_t --size 160
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/calibrate_stages.py transformers-all/regnet
+
+A ``FAMILY/NAME`` of bench/coverage_models.py runs that corpus model on its own example inputs instead.
 
 Prints seconds per stage: ``bare`` (the forward+backward under the simulation), ``locate`` (the inf/NaN locator's
 replay, :func:`~ampaudit.runtime.locate.locate_nonfinite`), ``compare`` (each module against FP32,
@@ -35,22 +38,21 @@ def stages(name: str, size: int) -> dict[str, float]:
     from ampaudit.runtime.locate import locate_nonfinite
     from ampaudit.simulate import target_autocast
 
-    tv = import_torchvision()[0]
-    torch.manual_seed(0)
-    model = getattr(tv.models, name)().eval()
-    x = torch.randn(2, 3, size, size)
+    model, args, kwargs = _model(name, size)
     policy, loss = Policy.load("cuda", "float16"), batch_loss(None, None)
 
     def bare():
         with torch.autocast("cpu", dtype=torch.float16):
-            out = model(x)
-        loss(out).backward()
+            out = model(*args, **kwargs)
+        total = loss(out)
+        if total is not None:
+            total.backward()
         model.zero_grad(set_to_none=True)
 
     passes = {"bare": bare,
-              "locate": lambda: locate_nonfinite(model, (x,), {}, dtype=torch.float16, loss=loss),
-              "compare": lambda: compare_to_fp32(model, (x,), {}, dtype=torch.float16),
-              "decisions": lambda: measure_or_note(model, (x,), {}, dtype=torch.float16)}
+              "locate": lambda: locate_nonfinite(model, args, kwargs, dtype=torch.float16, loss=loss),
+              "compare": lambda: compare_to_fp32(model, args, kwargs, dtype=torch.float16),
+              "decisions": lambda: measure_or_note(model, args, kwargs, dtype=torch.float16)}
     with target_autocast(policy, "cpu", enter_autocast=False):
         bare()                                  # warm-up: first-call costs are no stage's
     out = {}
@@ -60,15 +62,28 @@ def stages(name: str, size: int) -> dict[str, float]:
             run()
             out[key] = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
-    ampaudit.check(model, x, calibrate=True)
+    ampaudit.check(model, *args, calibrate=True, **kwargs)
     out["check"] = round(time.perf_counter() - start, 3)
     return out
 
 
+def _model(name: str, size: int) -> tuple[torch.nn.Module, tuple, dict]:
+    if "/" in name:
+        from coverage_models import build
+
+        family, _, short = name.partition("/")
+        import_torchvision()
+        built = build({"family": family, "name": short}, "cpu")
+        return built.model, tuple(built.args), dict(built.kwargs)
+    tv = import_torchvision()[0]
+    torch.manual_seed(0)
+    return getattr(tv.models, name)().eval(), (torch.randn(2, 3, size, size),), {}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="a torchvision.models builder name: resnet18, swin_t, ...")
-    p.add_argument("--size", type=int, default=160, help="input height and width (default 160)")
+    p.add_argument("model", help="a torchvision.models builder name (resnet18, swin_t, ...) or FAMILY/NAME of a corpus model")
+    p.add_argument("--size", type=int, default=160, help="input height and width of a torchvision name (default 160)")
     args = p.parse_args(argv)
     print(json.dumps({"model": args.model, "size": args.size, **stages(args.model, args.size)}))
     return 0

@@ -70,16 +70,16 @@ def test_an_empty_detector_output_has_no_range_row():
 
 
 def test_a_statistic_that_fails_costs_that_statistic(monkeypatch):
-    import ampaudit.runtime.divergence as divergence
+    import ampaudit.runtime.divergence_results as divergence_results
 
-    real = divergence.full_counts
+    real = divergence_results.full_counts
 
     def flaky(t, target):
         if t.shape[-1] == 4:           # the head's output
             raise RuntimeError("no kernel for this")
         return real(t, target)
 
-    monkeypatch.setattr(divergence, "full_counts", flaky)
+    monkeypatch.setattr(divergence_results, "full_counts", flaky)
     torch.manual_seed(0)
     with collect() as notes:
         cal = calibrate(_Net(lambda m, y: m.head(y)), [((torch.randn(4, 8),), {})], Policy.load("cuda", "float16"))

@@ -109,3 +109,27 @@ def test_shadow_runs_in_ieee_fp32_and_restores_the_users_precision():
         torch.backends.cudnn.allow_tf32        # the legacy flags still read back (no mixed-API error)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+class _AddsInPlace(nn.Module):
+    """Returns its child's output tensor after writing into it: the same object, other values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y += 1000.0
+        return y
+
+
+def test_a_container_reuses_its_childs_range_only_while_the_tensor_is_unwritten():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), _AddsInPlace())
+    rows = {r["module"]: r for r in compare_to_fp32(model, (torch.randn(4, 8),), {}, dtype=torch.bfloat16)}
+    # The Sequential returns the last child's output as it is: the same statistics.
+    for key in ("absmax", "headroom_bits", "underflow_share", "flush_share", "overflow"):
+        assert rows[""][key] == rows["2"][key]
+    # `y += 1000` wrote into lin's output after lin returned: measured again, on the values the wrapper returns.
+    assert rows["2"]["absmax"] > 900 > rows["2.lin"]["absmax"]

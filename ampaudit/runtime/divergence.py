@@ -37,6 +37,7 @@ backward, which needs them unchanged). It needs FP32 parameters (autocast traini
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -46,39 +47,19 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from ampaudit.notes import note
 from ampaudit.dtypes import is_low
-from ampaudit.policy import op_names
-from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, upcast
+from ampaudit.runtime.fp32 import as_stored, ieee_fp32, rounded_to, rounds_to, upcast
 from ampaudit.runtime.module_stack import module_names
 from ampaudit.runtime.replay_state import buffer_snapshot, float_tensors, rng_replayed
 from ampaudit.wrappers import unwrap
-from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample_copy
-from ampaudit.runtime.divergence_results import ROUNDING_OF as _ROUNDING_OF, module_ranges, read_events
-from ampaudit.runtime.own_rerun import ChildrenInFP32, rounding_pairs
-from ampaudit.runtime.stats import full_counts
+from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample, sample_copy
+from ampaudit.runtime.divergence_results import (ROUNDING_OF as _ROUNDING_OF, Sampled, module_ranges, range_of,
+                                                 read_events, sampled_pairs)
+from ampaudit.runtime.own_rerun import _NEUTRAL_DEVICES, AUTOCAST_NEUTRAL, ChildrenInFP32, rounding_pairs
+from ampaudit.runtime.shadow_calls import ShadowCalls
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
-# Modules whose ops autocast never lowers (rules/policy/ops.toml, [autocast_neutral]; exact types): their local
-# error is zero by construction, and their local event is written without the re-run.
-AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
-    getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])
-    if isinstance(getattr(nn, name, None), type))
-_NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
 _ZERO_ERROR = (0.0, 0.0, 0.0, 0.0, 0.0)  # metric sums of two identical tensors: rel_l2 0, max_abs 0
-
-
-class _Sampled:
-    """A copy of the elements of a real output that the metrics read, and the output's full shape."""
-
-    __slots__ = ("shape", "values")
-
-    def __init__(self, shape: torch.Size, values: torch.Tensor):
-        self.shape, self.values = shape, values
-
-
-def _sampled_pairs(reals: list[_Sampled], refs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # A sample is taken with the stride of the full tensor, so it lines up with the reference's.
-    return [(r.values, b) for r, b in zip(reals, refs) if r.shape == b.shape]
 
 
 class DivergenceProbe:
@@ -114,6 +95,7 @@ class DivergenceProbe:
         # Per-check state: a probe is reused check after check (``begin`` ... ``close``).
         self._last_real: tuple | None = None      # (tensor, clone): containers return their child's output
         self._last_ref: tuple | None = None       # (real clone, shadow tensor, sums)
+        self._last_range: tuple | None = None     # (shadow tensors, their versions, counts, absmax)
         self._real: dict[str, list[list[torch.Tensor]]] = {}
         self._in_dtypes: dict[str, list[list[torch.dtype]]] = {}   # per call: dtypes of its floating inputs
         self._amp_on: dict[str, list[bool]] = {}    # per call: whether autocast was on where it was called
@@ -124,6 +106,7 @@ class DivergenceProbe:
         self._batch = MetricBatch(METRIC_SAMPLE)
         self._shadow_out: list[torch.Tensor] = []
         self._in_shadow = False
+        self._calls_kept: ShadowCalls | None = None     # during a shadow with composite re-runs
         self.active = self._recorded = False
         self._param_versions, self._param_names = [], {}
         self._run_local_now = bool(self._local_mods)
@@ -182,7 +165,7 @@ class DivergenceProbe:
             if self._last_real is not None and self._last_real[0] is t:
                 clones.append(self._last_real[1])
             else:
-                c = _Sampled(t.shape, sample_copy(t, METRIC_SAMPLE))
+                c = Sampled(t.shape, sample_copy(t, METRIC_SAMPLE))
                 self._last_real = (t, c)
                 clones.append(c)
         self._real.setdefault(name, []).append(clones)
@@ -218,6 +201,9 @@ class DivergenceProbe:
             for mod in (self._local_mods if self._run_composites_now else self._local_mods - self._composites):
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
+        # After _shadow_post's hook: a composite's re-run (in it) reads the frame this one closes.
+        self._calls_kept = ShadowCalls(self.names) if self._run_composites_now else None
+        kept = self._calls_kept.hook() if self._calls_kept is not None else []
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
         self._in_shadow = True
         self._last_real = None
@@ -227,6 +213,9 @@ class DivergenceProbe:
                 out = self.root(*upcast(args), **upcast(kwargs))
         finally:
             self._in_shadow = False
+            for h in kept:
+                h.remove()
+            self._calls_kept = None
             # The FP32 graph saved some buffers (BatchNorm's running stats): putting them back bumps their
             # version, which its backward would refuse. With the gradient scope they wait for ``grads``.
             if grad:
@@ -234,7 +223,7 @@ class DivergenceProbe:
             else:
                 restore()
         self._real.clear()
-        self._last_ref = None
+        self._last_ref = self._last_range = None
         self._shadow_out = [t for t in float_tensors(out) if t.requires_grad] if grad else []
 
     def _own_mod(self, mod: nn.Module) -> bool:
@@ -244,6 +233,8 @@ class DivergenceProbe:
     def _shadow_pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._in_local:
             return self._own.pre(mod, args, kwargs)
+        if self._calls_kept is not None and kwargs:
+            self._calls_kept.note_kwargs(mod, kwargs)
         if not self._own_mod(mod):
             return None
         if mod in self._neutral and not self._low_fed(self.names[mod], self._calls.get(self.names[mod], 0)):
@@ -267,7 +258,7 @@ class DivergenceProbe:
         reals = self._real.get(name, [])
         tag = {"module": name} if call == 0 else {"module": name, "call": call}
         if call < len(reals):
-            pairs = _sampled_pairs(reals[call], refs)
+            pairs = sampled_pairs(reals[call], refs)
             last = self._last_ref
             if len(pairs) == 1 and last is not None and last[0] is pairs[0][0] and last[1] is pairs[0][1]:
                 sums = last[2]                            # same tensors as the child just compared
@@ -282,10 +273,9 @@ class DivergenceProbe:
             # Empty outputs (a detector with no detections) have no range; a statistic that fails costs that
             # statistic, not the audit, and the report says which module lacks it.
             try:
-                sized = [r.detach() for r in refs if r.numel()]
+                sized = [r for r in refs if r.numel()]
                 if sized:
-                    counts = torch.stack([full_counts(r, self.dtype)[0] for r in sized]).sum(0)
-                    amax = torch.stack([r.abs().amax().float() for r in sized]).amax()
+                    counts, amax, self._last_range = range_of(sized, self.dtype, self._last_range)
                     self._range.append((name, counts, amax))
             except Exception as exc:
                 note(f"range statistics of {name or 'the top module'} skipped: {type(exc).__name__}: "
@@ -321,9 +311,12 @@ class DivergenceProbe:
         self._in_local = True
         if mod in self._composites:
             self._own.start(mod, args, fp32, self._out_dtypes)
+        kept = self._calls_kept
+        served = (contextlib.nullcontext() if kept is None else
+                  kept.serving(mod, self._own) if mod in self._composites else kept.quiet())
         try:
             with rng_replayed({"cpu": state, "cuda": cuda_state}), torch.no_grad(), \
-                    torch.autocast(self.device_type, dtype=self.dtype, enabled=autocast):
+                    torch.autocast(self.device_type, dtype=self.dtype, enabled=autocast), served:
                 lo = mod(*args, **kwargs)
         finally:
             self._own.stop()
@@ -331,7 +324,10 @@ class DivergenceProbe:
         # Against the FP32 answer as the module's output dtype holds it: rounding the exact result is the
         # dtype's range (values in fp16's subnormals lose digits in any module that outputs them; AMP503 reports
         # them), not the module's code; a pass-through module fed such values would read as a culprit.
-        stored = [(a, as_stored(b, a.dtype), b) for a, b in zip(float_tensors(lo), refs) if a.shape == b.shape]
+        # Rounded on the elements the metrics read (``sample``: the same ones of ``a`` and ``b``, elementwise the
+        # same numbers), not over the whole output.
+        stored = [(a, as_stored(sample(b, METRIC_SAMPLE), a.dtype), b) for a, b in zip(float_tensors(lo), refs)
+                  if a.shape == b.shape]
         sums = self._batch.add([(a, s) for a, s, _ in stored])
         if sums is None:
             return
@@ -340,7 +336,7 @@ class DivergenceProbe:
         # before it saw them, and the exact answer stored in its output dtype. In the dtype's normal range each
         # is at most a unit roundoff; in its subnormals far more (attribution excuses an own error they explain).
         inputs = rounding_pairs(args, fp32) + (self._own.handed() if mod in self._composites else [])
-        output = [(s, b) for _, s, b in stored if s is not b]
+        output = [(s, b) for a, s, b in stored if rounds_to(b.dtype, a.dtype)]
         for key, pairs in (("input_rel_l2", inputs), ("output_rel_l2", output)):
             part = self._batch.add(pairs) if pairs else None
             if part is not None:

@@ -4,6 +4,7 @@ ranges per module (:class:`~ampaudit.runtime.divergence.DivergenceProbe`'s resul
     fields = read_events(pending, batch)     # pending: [(tag, sums)], sums a MetricBatch row index, a device
                                              # row of its own, or plain numbers; one host read for all
     ranges = module_ranges(rows, torch.float16)   # rows: [(module, counts[6], amax)]
+    counts, amax, last = range_of(outputs, torch.float16, last)   # one module's row (last: the previous call's)
 
 A pending row tagged ``{ROUNDING_OF: key}`` is a rounding measure of the local row just before it: its rel_l2
 goes into that row's event as ``key`` (``input_rel_l2``, ``output_rel_l2``).
@@ -18,8 +19,36 @@ import torch
 from ampaudit.dtypes import limits
 from ampaudit.runtime.fp32 import ieee_fp32
 from ampaudit.runtime.metric_batch import MetricBatch, finish_metrics
+from ampaudit.runtime.stats import full_counts
 
 ROUNDING_OF = "_rounding_of"   # tag of a pending row that is a rounding measure of the local row before it
+
+
+class Sampled:
+    """A copy of the elements of a real output that the metrics read, and the output's full shape."""
+
+    __slots__ = ("shape", "values")
+
+    def __init__(self, shape: torch.Size, values: torch.Tensor):
+        self.shape, self.values = shape, values
+
+
+def sampled_pairs(reals: list[Sampled], refs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(real sample, FP32 reference) pairs of the outputs whose shapes agree: a sample is taken with the stride
+    of the full tensor, so it lines up with the reference's."""
+    return [(r.values, b) for r, b in zip(reals, refs) if r.shape == b.shape]
+
+
+def range_of(refs: list[torch.Tensor], dtype: torch.dtype, last: tuple | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(counts, absmax, memo) of a module's FP32 outputs ``refs`` against ``dtype``; ``last`` is the memo of the
+    module recorded just before. A container returns its last child's output and a wrapper its inner module's:
+    the same tensors, unwritten since (version counters), reuse that module's statistics."""
+    if (last is not None and len(last[0]) == len(refs)
+            and all(a is b and a._version == v for a, b, v in zip(refs, last[0], last[1]))):
+        return last[2], last[3], last
+    counts = torch.stack([full_counts(r.detach(), dtype)[0] for r in refs]).sum(0)
+    amax = torch.stack([r.detach().abs().amax().float() for r in refs]).amax()
+    return counts, amax, (refs, [r._version for r in refs], counts, amax)
 
 
 def read_events(pending: list[tuple[dict, Any]], batch: MetricBatch) -> list[dict]:

@@ -81,11 +81,16 @@ def rounded_to(args: tuple, dtypes: list[torch.dtype]) -> tuple:
     return tree_map(cast, args)
 
 
+def rounds_to(ref: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether storing a ``ref``-dtype value in ``dtype`` rounds it (:func:`as_stored` changes something)."""
+    return dtype != ref and dtype.is_floating_point and dtype.itemsize < ref.itemsize
+
+
 def as_stored(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The FP32 reference ``ref`` as a tensor of ``dtype`` would hold it (rounded, kept in ``ref``'s dtype), where
     that is finite; where rounding overflows, ``ref`` itself (an output that really overflows stays compared with
     the finite answer)."""
-    if dtype == ref.dtype or not dtype.is_floating_point or dtype.itemsize >= ref.dtype.itemsize:
+    if not rounds_to(ref.dtype, dtype):
         return ref
     stored = ref.to(dtype).to(ref.dtype)
     return torch.where(torch.isfinite(stored), stored, ref)

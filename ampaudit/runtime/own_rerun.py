@@ -26,8 +26,16 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ampaudit.policy import op_names
 from ampaudit.runtime.fp32 import rounded_to, upcast
 from ampaudit.runtime.replay_state import float_tensors
+
+# Modules whose ops autocast never lowers (rules/policy/ops.toml, [autocast_neutral]; exact types): their local
+# error is zero by construction, and their local event is written without the re-run.
+AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
+    getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])
+    if isinstance(getattr(nn, name, None), type))
+_NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
 
 
 def rounding_pairs(rounded: Any, fp32: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -84,6 +92,10 @@ class ChildrenInFP32:
         self._remember(rounded, out)
         self._handed.extend(rounding_pairs(rounded, out))
         return rounded
+
+    def outermost(self) -> nn.Module | None:
+        """The submodule computing in FP32 now (the outermost one the composite called), if any."""
+        return self._child[0] if self._child is not None else None
 
     def handed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(rounded, FP32) pairs of the children's outputs the last re-run handed the composite."""
