@@ -1,13 +1,15 @@
 """What the export capture and the audit around it skip for speed leaves the same graph and the same state.
 
 The capture unlifts without export's input-guard submodule and recompiles only when it erased a node; a meta
-export hands its graph to the unlifting uncompiled.
+export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import ampaudit
+import ampaudit.runtime.replay_state as replay_state
 from ampaudit.capture.export_capture import _ASSERTS, capture_export, unlifted
 from ampaudit.policy import Policy
 
@@ -69,3 +71,20 @@ def test_a_meta_capture_compiles_its_meta_graph():
     assert cap.gm.code == cap.gm.graph.python_code("self").src
     assert "device(type='cpu')" not in cap.gm.code
     assert cap.gm(x).device.type == "meta"
+
+
+def test_a_check_without_calibration_compares_each_weight_with_its_copy_once(monkeypatch):
+    model, x = Block().train(), torch.randn(2, 5, 16)
+    compared = []
+    real = replay_state._same_bits
+    monkeypatch.setattr(replay_state, "_same_bits", lambda a, b: compared.append(a) or real(a, b))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16")
+    tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    assert len(compared) == tensors
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    compared.clear()
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
+    assert len(compared) == 2 * tensors      # once after the capture, once after the calibration
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
