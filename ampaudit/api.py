@@ -126,7 +126,10 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         g_args, g_kwargs = cap.graph_inputs(args, kwargs)
         with quiet():                      # fake kernels (torchvision's) warn while shapes propagate
             prop.propagate(*g_args, **g_kwargs)
-        restore()                          # calibration measures the model the user gave, not one capture moved
+        if calibrate:
+            # Calibration measures the model the user gave, not one capture moved. Without it the `finally`
+            # below is the one restore (each one reads every weight and its copy).
+            restore()
         _require_tensor_output(cap)
         ctx = MatchContext(gm=cap.gm, root=cap.root, policy=policy, batch=batch)
         skipped: list[str] = []

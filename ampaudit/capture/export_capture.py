@@ -10,6 +10,7 @@ capture writes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import re
@@ -155,11 +156,11 @@ def _export_meta(model: nn.Module, args: tuple, kwargs: dict, policy: Policy):
             table[name] = originals.get(id(t), t)
     # Tensors the forward makes (arange(device=key.device)) were baked on the stand-ins' CPU: back to meta, or
     # the propagation's meta run would mix devices.
+    # (No recompile: :func:`unlifted` builds its module from this graph and generates the code then.)
     meta = torch.device("meta")
     for n in ep.graph.nodes:
         n.args, n.kwargs = tree_map(lambda v: meta if isinstance(v, torch.device) and v.type == "cpu" else v,
                                     (n.args, n.kwargs))
-    ep.graph_module.recompile()
     return ep
 
 
@@ -170,6 +171,16 @@ def _causes(exc: BaseException | None):
         yield exc
         seen.add(id(exc))
         exc = exc.__cause__     # not __context__: an error raised while one was being handled is its own
+
+
+def unlifted(ep) -> fx.GraphModule:
+    """``ep.module()`` without its input-guard submodule (``check_guards=False``, where this torch has it):
+    generating the guards' code and compiling the graph once more for their call took ``module()`` from 0.25 to
+    0.32 CPU s on a 2,125-node graph (bench/check_stages.py, qwen3_5), and :func:`capture_export` erases that
+    call anyway. A torch whose ``module()`` has no such argument makes the call; it is erased the same way."""
+    if "check_guards" in inspect.signature(type(ep).module).parameters:
+        return ep.module(check_guards=False)
+    return ep.module()
 
 
 def data_dependent(exc: BaseException) -> bool:
@@ -219,18 +230,21 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Polic
             if policy is None or fails_in_any_dtype(first):
                 raise
             ep = _export(model, args, kwargs, None, unbacked_limit)
-        gm = ep.module()
+        gm = unlifted(ep)
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200]
         raise CaptureError(f"torch.export cannot capture {type(model).__name__}: {type(exc).__name__}: {reason}",
                            hint="the dispatch-level capture is tried next") from exc
     # export adds a guard-checking submodule call with no users: not part of the model.
+    erased = 0
     for n in list(gm.graph.nodes):
         if n.users:
             continue
         if n.op == "call_module" and "guard" in str(n.target) or getattr(n.target, "_opname", "") in _ASSERTS:
             gm.graph.erase_node(n)
+            erased += 1
     annotate(gm, model)
     gm.graph.lint()
-    gm.recompile()
+    if erased:        # the module's code still calls what was erased; unchanged, it is the graph's already
+        gm.recompile()
     return Capture(gm=gm, mode="export", root=model)

@@ -1,0 +1,90 @@
+"""What the export capture and the audit around it skip for speed leaves the same graph and the same state.
+
+The capture unlifts without export's input-guard submodule and recompiles only when it erased a node; a meta
+export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ampaudit
+import ampaudit.runtime.replay_state as replay_state
+from ampaudit.capture.export_capture import _ASSERTS, capture_export, unlifted
+from ampaudit.policy import Policy
+
+
+class Block(nn.Module):
+    """Enough ops for a real graph: a linear, a norm, a reshape on the input's own size, a softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.register_buffer("scale", torch.full((32,), 0.5))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm(self.proj(x)) * self.scale
+        return h.view(b, t, 4, 8).softmax(-1).flatten(2)
+
+
+def _ops(gm):
+    return [(n.op, str(n.target)) for n in gm.graph.nodes]
+
+
+def _kept(gm):
+    # What capture_export keeps of ep.module()'s graph: no guard call, no unused export assertion.
+    return [(n.op, str(n.target)) for n in gm.graph.nodes
+            if n.users or not (n.op == "call_module" and "guard" in str(n.target)
+                               or getattr(n.target, "_opname", "") in _ASSERTS)]
+
+
+def test_the_capture_holds_exactly_the_nodes_of_the_guarded_module_less_its_guards():
+    model, x = Block(), torch.randn(2, 5, 16)
+    ep = torch.export.export(model, (x,), strict=False)
+    guarded = ep.module()
+    cap = capture_export(model, (x,), {})
+    assert _ops(cap.gm) == _kept(guarded)
+    assert not any("guard" in str(n.target) for n in cap.gm.graph.nodes)
+    assert not any(name.startswith("_guards") for name, _ in cap.gm.named_children())
+    # Its code is its graph's (whether or not anything was erased), and runs as the model does.
+    assert cap.gm.code == cap.gm.graph.python_code("self").src
+    torch.testing.assert_close(cap.gm(x), model(x))
+
+
+def test_unlifted_has_the_guarded_modules_parameters_under_their_names():
+    model, x = Block(), torch.randn(2, 5, 16)
+    ep = torch.export.export(model, (x,), strict=False)
+    got, want = unlifted(ep), ep.module()
+    assert dict(got.named_parameters()).keys() == dict(want.named_parameters()).keys()
+    assert dict(got.named_buffers()).keys() == dict(want.named_buffers()).keys()
+    assert [n for n in _ops(got) if "guard" not in n[1]] == [n for n in _ops(want) if "guard" not in n[1]]
+
+
+def test_a_meta_capture_compiles_its_meta_graph():
+    # _export_meta rewrites the graph's CPU devices to meta and leaves the compiling to the unlifting.
+    with torch.device("meta"):
+        model = Block()
+    x = torch.randn(2, 5, 16, device="meta")
+    cap = capture_export(model, (x,), {}, policy=Policy.load("cuda", "float16"))
+    assert cap.gm.code == cap.gm.graph.python_code("self").src
+    assert "device(type='cpu')" not in cap.gm.code
+    assert cap.gm(x).device.type == "meta"
+
+
+def test_a_check_without_calibration_compares_each_weight_with_its_copy_once(monkeypatch):
+    model, x = Block().train(), torch.randn(2, 5, 16)
+    compared = []
+    real = replay_state._same_bits
+    monkeypatch.setattr(replay_state, "_same_bits", lambda a, b: compared.append(a) or real(a, b))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16")
+    tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    assert len(compared) == tensors
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    compared.clear()
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
+    assert len(compared) == 2 * tensors      # once after the capture, once after the calibration
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
