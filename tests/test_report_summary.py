@@ -242,3 +242,37 @@ def test_a_module_fed_an_upstream_inf_is_not_a_culprit_of_the_run(tmp_path):
     local += [("divergence", 1, {"module": f"fc{i}", "scope": "local", "rel_l2": 3e-4}) for i in range(6)]
     s = summarize_trace(_write(tmp_path / "fed.jsonl", steps, local))
     assert sorted(c["module"] for c in s["divergence"]["culprits"]) == ["late", "over"]
+
+
+def test_an_fp32_module_that_would_not_fit_fp16_is_not_told_to_keep_fp32(tmp_path):
+    # T5's `wo` kept in FP32 (the published fix): its output is above fp16's max, true and said so, but FP32 is
+    # where it already computes. The same stats without `dtype` (a version-5 trace) stay keep_fp32's evidence.
+    row = {"module": "ff.wo", "phase": "forward", "absmax": 8.4e4, "headroom_bits": -0.36, "numel": 3072,
+           "inf": 0, "nan": 0, "overflow": 61, "nonfinite_passes": 0}
+    steps = [{"loss": 1.0, "scale": 1024.0, "skipped": False}] * 4
+    s = summarize_trace(_write(tmp_path / "fp32.jsonl", steps, [("stats", 2, {**row, "dtype": "float32"})]))
+    assert "keep_fp32" not in kinds(s)
+    info = next(r for r in s["recommendations"] if r["kind"] == "fp32_range")
+    assert info["severity"] == "info" and "modules" not in info
+    assert "already in float32" in info["message"] and "ff.wo (up to 8.4e+04, 61 values above" in info["message"]
+    old = summarize_trace(_write(tmp_path / "v5.jsonl", steps, [("stats", 2, row)]))
+    assert kinds(old)[0] == "keep_fp32" and old["recommendations"][0]["modules"] == ["ff.wo"]
+    half = summarize_trace(_write(tmp_path / "half.jsonl", steps, [("stats", 2, {**row, "dtype": "float16"})]))
+    assert kinds(half)[0] == "keep_fp32" and "fp32_range" not in kinds(half)
+
+
+def test_an_overflow_only_the_loss_scale_makes_is_a_skipped_step_not_a_culprit(tmp_path):
+    # The scaler started too high: head's weight gradient overflowed scaled, not unscaled (scaled_only). The
+    # skip is still listed; neither keep_fp32 nor the first non-finite names head. Without the field: a fault.
+    probe = {"phase": "backward", "module": "head", "op": "aten.mm", "source": "m.py:47", "kind": "inf",
+             "cause": "op", "dtype": "torch.float16", "low_precision": True, "fp32_too": False}
+    skip = ("skip", 1, {"scale": 65536.0, "params": ["head.weight"], "modules": ["head"]})
+    steps = [{"loss": 1.1, "scale": 65536.0, "skipped": True}] + [{"loss": 1.0, "scale": 32768.0,
+                                                                   "skipped": False}] * 3
+    s = summarize_trace(_write(tmp_path / "probe.jsonl", steps,
+                               [("nonfinite", 1, {**probe, "scaled_only": True}), skip]))
+    assert s["first_nonfinite"] is None and "keep_fp32" not in kinds(s)
+    assert s["nonfinite"]["scaled_only"] == 1 and s["nonfinite"]["skip_modules"] == {"head": 1}
+    fault = summarize_trace(_write(tmp_path / "fault.jsonl", steps, [("nonfinite", 1, probe), skip]))
+    assert fault["first_nonfinite"]["module"] == "head" and "scaled_only" not in fault["first_nonfinite"]
+    assert kinds(fault)[0] == "keep_fp32" and fault["recommendations"][0]["modules"] == ["head"]

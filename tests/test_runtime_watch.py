@@ -240,12 +240,53 @@ from _shared_models import BackwardOverflow as _BackwardOverflow
 from _shared_models import MaskedLogBuckets
 
 
+def _skipping_loop(model, init_scale, **watch_kw):
+    # A user's loop: fp16 autocast, a GradScaler, the watch told of each skipped step.
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, stats_every=1000, locate_first=False, **watch_kw) as w:
+        for step in range(2):
+            w.set_step(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, 8) * 1e-4)
+            opt.zero_grad()
+            scaler.scale(out.float().sum()).backward()
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                w.on_skipped_step(scale)
+    return [e for e in w.nonfinite if e["phase"] == "backward"]
+
+
+class _HugeBoost(nn.Module):
+    def forward(self, x):
+        return x * 1e6             # the backward multiplies gradients by 1e6: past fp16's max even unscaled
+
+
+def test_an_overflow_only_the_loss_scale_makes_is_the_scalers_probing():
+    # Boost's backward overflows at scale 1000 but not unscaled: the event is still located, marked scaled_only.
+    torch.manual_seed(0)
+    back = _skipping_loop(_BackwardOverflow(), 1000.0, scaler=None)
+    assert back and back[0]["module"] == "boost" and "scaled_only" not in back[0]   # scale unknown: no verdict
+    torch.manual_seed(0)
+    model = _BackwardOverflow()
+    scaler_back = _skipping_loop(model, 1000.0, scaler=torch.amp.GradScaler("cpu", init_scale=1000.0))
+    assert scaler_back and scaler_back[0]["module"] == "boost" and scaler_back[0]["scaled_only"] is True
+    # A gradient past fp16's max even unscaled (no tanh to damp it) stays the module's fault.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), _HugeBoost(), nn.Linear(8, 1))
+    w_back = _skipping_loop(model, 2.0, scaler=torch.amp.GradScaler("cpu", init_scale=2.0))
+    assert w_back and w_back[0]["module"] == "1" and w_back[0]["scaled_only"] is False
+
+
 def test_skipped_step_replays_and_locates_a_backward_overflow():
     torch.manual_seed(0)
     model = _BackwardOverflow()
     scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with watch(model, stats_every=1000, locate_first=False) as w:
+    with watch(model, stats_every=1000, locate_first=False, scaler=scaler) as w:
         for step in range(2):                  # pass 0 is sampled; pass 1 relies on the skip
             w.set_step(step)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -260,6 +301,8 @@ def test_skipped_step_replays_and_locates_a_backward_overflow():
                 assert "inp.weight" in info["params"]
     back = [e for e in w.nonfinite if e["phase"] == "backward"]
     assert back and back[0]["module"] == "boost" and back[0]["cause"] == "op"
+    # Unscaled (divided by 1000) the gradient fits fp16: the scaler's probing, not boost's fault.
+    assert back[0]["fp32_too"] is False and back[0]["scaled_only"] is True
 
 
 def test_eval_loop_inside_autocast_locates_an_overflowing_weight_cast():

@@ -127,3 +127,30 @@ def test_divergence_every_writes_fp32_comparisons_the_report_reads(tmp_path):
     assert all(0 <= e["rel_l2"] < 0.1 for e in div if e["scope"] == "global")
     report = CliRunner(env={"COLUMNS": "160"}).invoke(app, ["report", str(trace)])
     assert report.exit_code == 0 and "Divergence vs FP32" in report.output
+
+
+PLANTED_T5 = Path(__file__).parent / "planted" / "t5_ff_wo_fp16.py"
+
+
+@pytest.mark.parametrize("entry", ["build_fixed_model", "build_model"])
+def test_t5_ff_wo_twin_is_quiet_and_the_planted_model_still_named(tmp_path, entry):
+    # fp16 by nature (T5's FF `wo` past 65504). The trainer starts at scale 2^16, which overflows head's weight
+    # gradient once: the scaler's probing (scaled_only), never keep_fp32's evidence nor the first non-finite.
+    # The fix keeps `wo` in FP32: above fp16's max, said so (fp32_range), but not told to keep FP32 again.
+    from ampaudit.report.trace_summary import summarize_trace
+    trace = tmp_path / "t5.jsonl"
+    result = run(str(PLANTED_T5), "--steps", "2", "--device", "cpu", "--dtype", "float16", "--trace", str(trace),
+                    "--divergence-every", "1", "--entry", entry)
+    assert result.exit_code == 0, result.output
+    events, _ = read_trace(trace)
+    probes = [e for e in events if e["event"] == "nonfinite" and e.get("scaled_only")]
+    assert [(e["module"], e["phase"]) for e in probes] == [("head", "backward")]
+    s = summarize_trace(trace)
+    keep = next((r for r in s["recommendations"] if r["kind"] == "keep_fp32"), None)
+    first = s["first_nonfinite"] or {}
+    if entry == "build_fixed_model":
+        assert keep is None and first == {}
+        assert "ff.wo" in next(r for r in s["recommendations"] if r["kind"] == "fp32_range")["message"]
+    else:
+        # The planted overflow: ff.wo's forward inf is the run's first non-finite, and keep_fp32 leads with it.
+        assert (first.get("module"), first.get("phase")) == ("ff.wo", "forward") and keep["modules"][0] == "ff.wo"

@@ -99,7 +99,7 @@ def scale_figure(data: TraceData) -> go.Figure | None:
         fig.add_trace(go.Scatter(x=shown, y=[math.log2(by_step[s]) for s in shown], mode="markers",
                                  name=f"skipped step ({len(skips)})",
                                  marker=dict(symbol="x", size=10, color=COLORS["skip"])))
-    first = next((e for e in data.nonfinite if e["step"] is not None), None)
+    first = next((e for e in data.nonfinite if e["step"] is not None and not e.get("scaled_only")), None)
     if first is not None:
         module = "?" if first["module"] is None else (first["module"] or "<top>")
         fig.add_vline(x=first["step"], line=dict(color="#555", dash="dot"),

@@ -7,7 +7,7 @@ and which ``ampaudit check`` findings the run confirmed.
         print(rec["severity"], rec["message"], rec.get("code"))
 
 Each recommendation is a dict: ``kind`` (broken | keep_fp32 | nonfinite_unlocated | confirmed_findings |
-init_scale | bf16 | clipping | grad_scale | eval_gap | state_overflow | swamping | preflight | decisions |
+init_scale | fp32_range | bf16 | clipping | grad_scale | eval_gap | state_overflow | swamping | preflight | decisions |
 precursor | loss_spike | fallback), ``severity`` (error | warning | info), ``message``, and, where there is one, ``code`` (a line to paste)
 and ``modules`` / ``findings``. Thresholds are the table :data:`THRESHOLDS` (``grad_scale``, from the gradient
 histograms: :mod:`ampaudit.report.grad_hist`; ``decisions``: :mod:`ampaudit.report.trace_decisions`; ``precursor``
@@ -74,13 +74,16 @@ def _evidence(summary: dict, data: Any, culprits: list, all_headroom: list[dict]
     t = THRESHOLDS
     ev: dict[str, list[str]] = {}
     for e in data.nonfinite:
-        if e["module"] is None:
+        # An overflow only the scaled gradient has is the scaler probing (its skip), not the module's fault.
+        if e["module"] is None or e.get("scaled_only"):
             continue
         where = f"{e['kind'] or 'non-finite'} in {e['phase'] or '?'} at step {e['step']}"
         where += f", {e['op']}" if e["op"] else ""
         if where not in ev.get(e["module"], []):
             ev.setdefault(e["module"], []).append(where)
     for row in all_headroom:
+        if row.get("dtype") == "float32":
+            continue        # already computes in FP32: keep_fp32 cannot help it (see _fp32_range)
         bits = row["forward_bits"]
         if row["inf"] or row["nan"]:
             ev.setdefault(row["module"], []).append(f"{row['inf']} inf / {row['nan']} NaN values in stats")
@@ -115,6 +118,24 @@ def _keep_fp32(evidence: dict[str, list[str]]) -> dict | None:
     return {"kind": "keep_fp32", "severity": "warning", "modules": modules,
             "message": f"keep in fp32: {listed}{more}.{note}",
             "code": f"ampaudit.keep_fp32(model, {json.dumps(modules)})"}
+
+
+def _fp32_range(all_headroom: list[dict]) -> dict | None:
+    """Modules whose FP32 output would not fit the run's low precision if cast to it: true and worth knowing
+    (a later cast, a low-precision consumer), but not a keep_fp32 case, since they compute in FP32 already."""
+    rows = [r for r in all_headroom if r.get("dtype") == "float32" and (
+        r["overflow"] or (r["forward_bits"] is not None and r["forward_bits"] < 0))]
+    if not rows:
+        return None
+    listed = ", ".join(f"{r['module'] or '<top>'} ({_peak(r)}{r['overflow']} values above the max)"
+                       for r in rows[:6])
+    return {"kind": "fp32_range", "severity": "info",
+            "message": f"already in float32, but their outputs would not fit the run's low precision if cast to "
+                       f"it: {listed}. Keep any later cast of them (or their consumers) in float32."}
+
+
+def _peak(row: dict) -> str:
+    return f"up to {row['max_absmax']:.3g}, " if row["max_absmax"] is not None else ""
 
 
 def init_scale_code(summary: dict, flag: str, scaler: str) -> str:
@@ -224,7 +245,7 @@ def _confirmed(findings: list[dict], evidence: dict[str, list[str]]) -> dict | N
 
 def run_advice(summary: dict, data: Any, *, culprits: list, all_headroom: list[dict], findings: list[dict] | None,
                extra_evidence: dict[str, list[str]]) -> list[dict | None]:
-    """The run-wide recommendations (broken, keep_fp32, nonfinite_unlocated, confirmed_findings, init_scale, bf16,
+    """The run-wide recommendations (broken, keep_fp32, fp32_range, nonfinite_unlocated, confirmed_findings, init_scale, bf16,
     clipping), None where one does not apply. ``extra_evidence``: module -> what else the run saw there (flipped
     decisions), which confirms findings too but is not keep_fp32's evidence. The readers of one kind add theirs:
     :func:`ampaudit.report.trace_summary.recommend`."""
@@ -232,6 +253,6 @@ def run_advice(summary: dict, data: Any, *, culprits: list, all_headroom: list[d
     confirming = {**evidence}
     for module, seen in extra_evidence.items():
         confirming[module] = [*confirming.get(module, []), *seen]
-    return [_broken(summary, data, evidence), _keep_fp32(evidence), _unlocated(data),
+    return [_broken(summary, data, evidence), _keep_fp32(evidence), _fp32_range(all_headroom), _unlocated(data),
             _confirmed(findings or [], confirming),
             _init_scale(summary, data), _bf16(summary, data, evidence), _clipping(summary)]

@@ -74,11 +74,14 @@ def collect(events: Iterable[dict]) -> TraceData:
                 "overflow": finite(ev.get("overflow")) or 0.0,
                 "nonfinite_passes": finite(ev.get("nonfinite_passes")) or 0.0,
                 "subnormal_frac": (finite(ev.get("subnormal")) or 0.0) / numel if numel else None,
-                "zeros_frac": (finite(ev.get("zeros")) or 0.0) / numel if numel else None})
+                "zeros_frac": (finite(ev.get("zeros")) or 0.0) / numel if numel else None,
+                "dtype": text(ev.get("dtype"))})          # the output's own dtype; None before v6
         elif kind == "nonfinite":
             data.nonfinite.append({
                 "step": step, "phase": text(ev.get("phase")), "module": text(ev.get("module")),
-                "op": text(ev.get("op")), "source": text(ev.get("source")), "kind": text(ev.get("kind"))})
+                "op": text(ev.get("op")), "source": text(ev.get("source")), "kind": text(ev.get("kind")),
+                # the loss scaler's probing (gone with the gradient unscaled), not a fault; absent before v6
+                "scaled_only": ev.get("scaled_only") is True})
         elif kind == "divergence":
             data.divergence.append({
                 "step": step, "module": text(ev.get("module")) or "", "scope": text(ev.get("scope")) or "global",
@@ -162,7 +165,9 @@ def _scale_summary(data: TraceData) -> dict:
 
 
 def _nonfinite_summary(data: TraceData) -> tuple[dict | None, dict]:
-    events = [e for e in data.nonfinite]
+    # Overflows only the scaled gradient has are the scaler's skipped steps (the skip events), not a culprit.
+    probes = sum(e["scaled_only"] for e in data.nonfinite)
+    events = [e for e in data.nonfinite if not e["scaled_only"]]
     first = None
     if events:
         # Events arrive in order; a step number, when present, decides ties between producers.
@@ -176,9 +181,10 @@ def _nonfinite_summary(data: TraceData) -> tuple[dict | None, dict]:
     for s in data.skips:
         for m in s["modules"]:
             skip_modules[m] = skip_modules.get(m, 0) + 1
-    return (dict(first) if first else None,
+    first = {k: v for k, v in first.items() if k != "scaled_only"} if first else None
+    return (first,
             {"count": len(events), "by_module": dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
-             "skip_modules": dict(sorted(skip_modules.items(), key=lambda kv: -kv[1]))})
+             "skip_modules": dict(sorted(skip_modules.items(), key=lambda kv: -kv[1])), "scaled_only": probes})
 
 
 def headroom_table(data: TraceData) -> list[dict]:
@@ -190,8 +196,10 @@ def headroom_table(data: TraceData) -> list[dict]:
         row = rows.setdefault(s["module"], {
             "module": s["module"], "forward_bits": None, "forward_step": None, "backward_bits": None,
             "backward_step": None, "max_absmax": None, "inf": 0.0, "nan": 0.0, "overflow": 0.0,
-            "nonfinite_passes": 0.0, "subnormal_frac": None, "samples": 0})
+            "nonfinite_passes": 0.0, "subnormal_frac": None, "samples": 0, "dtypes": set()})
         row["samples"] += 1
+        if s["dtype"]:
+            row["dtypes"].add(s["dtype"])
         for key in ("inf", "nan", "overflow", "nonfinite_passes"):
             row[key] += s[key]
         if s["subnormal_frac"] is not None:
@@ -206,6 +214,9 @@ def headroom_table(data: TraceData) -> list[dict]:
     for row in rows.values():
         for key in ("inf", "nan", "overflow", "nonfinite_passes"):
             row[key] = int(row[key])
+        # The module's output dtype where every sample agrees (a module computing in FP32 is "float32").
+        dtypes = row.pop("dtypes")
+        row["dtype"] = next(iter(dtypes)) if len(dtypes) == 1 else None
     return sorted(rows.values(), key=lambda r: (
         r["forward_bits"] if r["forward_bits"] is not None else math.inf,
         r["backward_bits"] if r["backward_bits"] is not None else math.inf))

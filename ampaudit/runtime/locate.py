@@ -285,6 +285,26 @@ def judge_against_fp32(root: nn.Module, events: list[dict], args: tuple, kwargs:
     return events
 
 
+def judge_against_unscaled(root: nn.Module, events: list[dict], args: tuple, kwargs: dict | None = None, *,
+                           scale: float | None, **replay_kw: Any) -> list[dict]:
+    """Mark each backward inf/NaN origin that FP32 does not share (``fp32_too=False``) with ``scaled_only``:
+    whether the same low-precision replay, its ``upstream`` gradients divided by the loss ``scale``, no longer
+    has it. Such an overflow is a dynamic loss scaler probing too high a scale (it skips the step and lowers
+    the scale, as designed), not the module's fault: the unscaled gradient fits the dtype. ``replay_kw`` are
+    :func:`replay`'s keywords, ``upstream`` among them; nothing is replayed without a scale above 1."""
+    upstream = replay_kw.pop("upstream", None)
+    suspects = [ev for ev in events if ev.get("phase") == "backward" and ev.get("kind") in ("inf", "nan")
+                and ev.get("fp32_too") is False]
+    if not suspects or not scale or not math.isfinite(scale) or scale <= 1.0 or not upstream:
+        return events
+    unscaled = [None if g is None else g.float() / float(scale) for g in upstream]
+    left = {_origin(e) for e in replay(root, args, kwargs, upstream=unscaled, **replay_kw)
+            if e.get("kind") in ("inf", "nan")}
+    for ev in suspects:
+        ev["scaled_only"] = _origin(ev) not in left
+    return events
+
+
 def _python_error(exc: BaseException, module: str) -> dict:
     source = model_location((e.filename, e.lineno or 0) for e in reversed(traceback.extract_tb(exc.__traceback__)))
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

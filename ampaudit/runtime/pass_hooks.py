@@ -27,7 +27,7 @@ from ampaudit.errors import AmpAuditError
 from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grad_hist import GradHistograms
-from ampaudit.runtime.locate import judge_against_fp32, replay
+from ampaudit.runtime.locate import judge_against_fp32, judge_against_unscaled, replay
 from ampaudit.runtime.replay_state import capture_rng, float_tensors
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
@@ -352,10 +352,11 @@ class PassHooks:
             return True
         return bad and self._replayed_interval != self._interval_start
 
-    def _replay(self, *, proactive: bool = False) -> None:
+    def _replay(self, *, proactive: bool = False, scale: float | None = None) -> None:
         """Locate inf/NaN in the pass just ended. ``proactive``: nothing tripped the flag (the first pass,
         replayed to find an inf that never leaves its module): only infs an FP32 replay of the pass does not
-        have count there (one FP32 also makes is the model's own, and the pass ended finite)."""
+        have count there (one FP32 also makes is the model's own, and the pass ended finite). ``scale``: the loss
+        scale the pass carried, when the caller knows it better than :meth:`_loss_scale_now`."""
         p = self._pass
         args, kwargs, rng, (amp_on, amp_dtype), grad_mode = p.replay
         self._replays += 1
@@ -367,16 +368,29 @@ class PassHooks:
         if amp_on:
             # Judged against FP32: an inf the same pass also makes in FP32 is the model's own, not precision's.
             found = judge_against_fp32(self.root, found, args, kwargs, **kw)
+            # A backward overflow the unscaled gradient does not have is the loss scaler probing, not a fault.
+            found = judge_against_unscaled(self.root, found, args, kwargs, scale=scale or self._loss_scale_now(),
+                                           autocast=True, **kw)
         if proactive:
             found = [ev for ev in found if not ev.get("fp32_too")]
         else:
             # Infs FP32 has too (and maybe masks) go after those only low precision makes: the first names the cause.
             found.sort(key=lambda ev: bool(ev.get("fp32_too")))
+        found.sort(key=lambda ev: bool(ev.get("scaled_only")))   # the scaler's own overflows last
         for ev in found:
             self._emit("nonfinite", **ev)
-        if found and self.raise_on_nonfinite and self._pending_error is None:
-            self._pending_error = NonFiniteError(f"step {self.step}: {_describe(found[0])}",
+        faults = [ev for ev in found if not ev.get("scaled_only")]
+        if faults and self.raise_on_nonfinite and self._pending_error is None:
+            self._pending_error = NonFiniteError(f"step {self.step}: {_describe(faults[0])}",
                                                  hint="keep that module in fp32 (ampaudit.keep_fp32) or use bf16")
+
+    def _loss_scale_now(self) -> float | None:
+        """The loss scale the pass just ended carried: the loop's GradScaler, else the last one the caller said
+        (``set_loss_scale``, ``on_skipped_step``); None when unknown (no verdict on the scaler then)."""
+        scaler = getattr(self, "_scaler", None)
+        if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+            return float(scaler.get_scale())
+        return getattr(self, "_loss_scale", None)
 
     def _raise_pending(self) -> None:
         err, self._pending_error = self._pending_error, None

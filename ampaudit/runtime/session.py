@@ -217,8 +217,9 @@ class WatchSession:
         self.swamp = SwampMeter(self._model, optimizer=optimizer, mastered=mastered, names=names, o2=o2,
                                 skip=lambda: self.watch is not None and self.watch.replaying)
 
-    def begin_step(self, step: int) -> None:
-        """Number what follows ``step``; the step's clock starts at its first micro-batch."""
+    def begin_step(self, step: int, scale: float | None = None) -> None:
+        """Number what follows ``step``; the step's clock starts at its first micro-batch. ``scale``: the loss
+        scale its backward will carry (the watch tells the scaler's own overflows from faults by it)."""
         if self.watch is None:
             return
         if self._first_step is None:
@@ -231,6 +232,8 @@ class WatchSession:
             if self.swamp is not None and (step == self._first_step or step % self.every == 0):
                 self.swamp.begin(step)
         self.watch.set_step(step)
+        if scale:
+            self.watch.set_loss_scale(scale)
         if self.layers is not None:
             self.layers.begin_step(step)
 

@@ -17,7 +17,8 @@ Two tiers keep the hot path cheap (measured on CPU: counting costs ~5-8x a max):
 Counting reads one histogram of the tensor's magnitude bits, or on CPU, for a finite tensor whose extremes are
 known, a count of its nonzeros and their smallest magnitude (:mod:`ampaudit.runtime.magnitude_counts`);
 thresholds are those of the *target* dtype (the one autocast lowers to), expressed in the tensor's own
-dtype: an fp32 residual stream is judged by whether it would fit fp16.
+dtype: an fp32 residual stream is judged by whether it would fit fp16 (the ``dtype`` field, the output's own,
+tells the reader that it is already FP32).
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ class StatsAccumulator:
         self._numel: dict[int, int] = {}
         self._observed: dict[int, int] = {}
         self._full_passes: dict[int, int] = {}
+        self._dtype: dict[int, torch.dtype] = {}     # slot -> its output's dtype (a low-precision one wins)
 
     def observe(self, slot: int, t: torch.Tensor, *, full: bool, histogram: torch.Tensor | None = None,
                 cumulative: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +147,8 @@ class StatsAccumulator:
                 if t.device != self._device:
                     counts, min_nz = counts.to(self._device), min_nz.to(self._device)
             self._last = (t, lohi, counts, min_nz)
+        if slot not in self._dtype or is_half(t.dtype):
+            self._dtype[slot] = t.dtype
         group = self._pass_max.get(t.dtype)
         if group is None:
             group = self._pass_max[t.dtype] = ([], [])
@@ -215,7 +219,8 @@ class StatsAccumulator:
             amax = self._absmax.get(slot, 0.0)
             rec: dict = {"module": module, "phase": phase, "absmax": amax,
                          "headroom_bits": _headroom(tmax, amax), "nonfinite_passes": self._nonfinite_passes.get(slot, 0),
-                         "passes": self._observed[slot], "counted_passes": self._full_passes.get(slot, 0)}
+                         "passes": self._observed[slot], "counted_passes": self._full_passes.get(slot, 0),
+                         "dtype": _dtype_name(self._dtype.get(slot))}
             if slot in by_slot:
                 (nonzero, ge_under, ge_tiny, ge_over, ge_inf, ge_nan), mn = by_slot[slot]
                 numel = self._numel[slot]
@@ -229,6 +234,11 @@ class StatsAccumulator:
             out.append(rec)
         self._reset()
         return out
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    # "float32", as the meta line names dtypes: the report tells a module already in FP32 by it.
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def _headroom(tmax: float, absmax: float) -> float:

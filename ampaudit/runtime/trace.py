@@ -9,7 +9,7 @@ line so a killed run leaves a readable file; the reader tolerates a truncated or
     events, problems = read_trace("run.jsonl")
     memory = MemoryTrace()                  # a writer that keeps the events as dicts in memory.events
 
-The contract (event kinds, their fields, versions 1-5 and how readers take older traces) is docs/trace.md; the
+The contract (event kinds, their fields, versions 1-6 and how readers take older traces) is docs/trace.md; the
 kinds and fields are :data:`ampaudit.runtime.trace_schema.KINDS`, whose constructor builds every event of a
 known kind written here. A kind the schema does not know (a caller's own, on a shared writer) is written as given.
 """

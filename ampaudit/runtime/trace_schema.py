@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The newest version ampaudit writes and reads (it reads every older one too); a newer trace is read as far as it is known.
-TRACE_VERSION = 5
+TRACE_VERSION = 6
 # Every event has these two keys besides its fields: its kind and the training step (null when none).
 ENVELOPE = ("event", "step")
 
@@ -69,9 +69,9 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("step", 1, ("loss", "scale", "skipped", "grad_norm", "clipped", "lr", "time")),
     EventKind("stats", 1, ("module", "phase", "absmax", "headroom_bits", "nonfinite_passes", "passes",
                            "counted_passes", "min_nonzero", "numel", "zeros", "underflow", "subnormal", "overflow",
-                           "inf", "nan")),
+                           "inf", "nan"), ("dtype",)),
     EventKind("nonfinite", 1, ("phase", "module", "op", "source", "kind", "cause", "dtype"),
-              ("message", "low_precision", "fp32_too")),
+              ("message", "low_precision", "fp32_too", "scaled_only")),
     EventKind("divergence", 1, ("module", "scope", "rel_l2", "cosine", "max_abs", "sqnr_db"),
               ("call", "param", "input_rel_l2", "output_rel_l2")),
     EventKind("skip", 1, ("scale", "params", "modules"), ("scope",)),

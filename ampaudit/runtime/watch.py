@@ -138,6 +138,7 @@ class Watch(PassHooks):
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)
         self._hist = GradHistograms(scaler) if stats and grad_hist else None
+        self._scaler, self._loss_scale = scaler, None     # the scale a replay divides out (PassHooks)
         self._prec = PrecursorMeter(self.root, dtype) if stats and precursors else None
         self._fslot = {m: self._acc.slot(n, "forward") for m, n in self._names.items()}
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
@@ -219,7 +220,9 @@ class Watch(PassHooks):
 
     def set_loss_scale(self, scale: float) -> None:
         """The loss scale the backward of the current step carries (``grad_hist`` events record it); any time
-        before the interval's flush. Not needed with ``scaler=``."""
+        before the interval's flush (before the backward, for a replay to tell the scaler's own overflows from
+        faults). Not needed with ``scaler=``."""
+        self._loss_scale = float(scale)
         if self._hist is not None:
             self._hist.note_scale(float(scale), self.step)
 
@@ -232,10 +235,11 @@ class Watch(PassHooks):
         found = found if found is not None else nonfinite_grads(self.root.named_parameters())
         bad, modules = found["params"], found["modules"]
         self._emit("skip", scale=float(scale), params=bad, modules=modules)
+        self._loss_scale = float(scale)
         # The step was skipped, so the weights are still those of the pass that overflowed: replay it.
         if bad and not self._pass.open and self._should_replay(True):
             with self.suspended():
-                self._replay()
+                self._replay(scale=float(scale))
         return {"params": bad, "modules": modules}
 
     def flush(self) -> None:

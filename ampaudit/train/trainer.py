@@ -204,7 +204,7 @@ class Trainer(TrainerSetup, TrainerState):
     def _train_step(self) -> float | None:
         """One optimizer step; None when the data ran out (the partial window is dropped)."""
         step = self.step + 1
-        self.session.begin_step(step)     # the step's clock starts here
+        self.session.begin_step(step, self.scaler.get_scale())     # the step's clock starts here
         # Under compile, the steps the watch samples run eagerly with its hooks; the others compiled, without.
         eager = self._compiled and self.session.due(step)
         self.session.set_hooks(eager or not self._compiled)
