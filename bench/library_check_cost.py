@@ -19,6 +19,9 @@ import torch
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        raise SystemExit(0)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import ampaudit

@@ -44,7 +44,9 @@ def collect(events: Iterable[dict]) -> TraceData:
     rows = {"grad_hist": (hist_row, "grad_hist"), "fp8": (fp8_row, "fp8"), "fp8_budget": (budget_row, "fp8_budget"),
             "eval": (eval_row, "evals"), "swamping": (swamping_row, "swamping"), "precursor": (precursor_row,
             "precursors"), "state_overflow": (overflow_row, "overflows"), "decision": (decision_row, "decisions"),
-            "recipe_stats": (recipe_row, "recipes"), "fallback": (fallback_row, "fallbacks")}
+            "recipe_stats": (recipe_row, "recipes"), "fallback": (fallback_row, "fallbacks"),
+            "stats": (_stats_row, "stats"), "nonfinite": (_nonfinite_row, "nonfinite"),
+            "divergence": (_divergence_row, "divergence")}
     data = TraceData()
     last_step = 0
     for ev in events:
@@ -63,31 +65,6 @@ def collect(events: Iterable[dict]) -> TraceData:
                 step=step, loss=num(ev.get("loss")), scale=scale if scale and scale > 0 else None,
                 skipped=ev.get("skipped") is True, grad_norm=num(ev.get("grad_norm")),
                 clipped=ev.get("clipped") is True, lr=finite(ev.get("lr")), time=finite(ev.get("time"))))
-        elif kind == "stats":
-            numel = finite(ev.get("numel"))
-            data.stats.append({
-                "step": step, "module": text(ev.get("module")) or "", "phase": text(ev.get("phase")) or "forward",
-                "absmax": num(ev.get("absmax")), "headroom_bits": num(ev.get("headroom_bits")),
-                "inf": finite(ev.get("inf")) or 0.0, "nan": finite(ev.get("nan")) or 0.0,
-                # finite values above the dtype's max (an fp32 tensor that would not fit), and passes whose
-                # output held inf/NaN (counted even on passes without full counts)
-                "overflow": finite(ev.get("overflow")) or 0.0,
-                "nonfinite_passes": finite(ev.get("nonfinite_passes")) or 0.0,
-                "subnormal_frac": (finite(ev.get("subnormal")) or 0.0) / numel if numel else None,
-                "zeros_frac": (finite(ev.get("zeros")) or 0.0) / numel if numel else None,
-                "dtype": text(ev.get("dtype"))})          # the output's own dtype; None before v6
-        elif kind == "nonfinite":
-            data.nonfinite.append({
-                "step": step, "phase": text(ev.get("phase")), "module": text(ev.get("module")),
-                "op": text(ev.get("op")), "source": text(ev.get("source")), "kind": text(ev.get("kind")),
-                # the loss scaler's probing (gone with the gradient unscaled), not a fault; absent before v6
-                "scaled_only": ev.get("scaled_only") is True})
-        elif kind == "divergence":
-            data.divergence.append({
-                "step": step, "module": text(ev.get("module")) or "", "scope": text(ev.get("scope")) or "global",
-                "param": text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
-                "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db")),
-                "input_rel_l2": num(ev.get("input_rel_l2")), "output_rel_l2": num(ev.get("output_rel_l2"))})
         elif kind == "skip":
             mods = ev.get("modules")
             params = ev.get("params")
@@ -112,6 +89,37 @@ def collect(events: Iterable[dict]) -> TraceData:
             name = str(kind)
             data.unknown[name] = data.unknown.get(name, 0) + 1
     return data
+
+
+def _stats_row(ev: dict, step: int | None) -> dict:
+    numel = finite(ev.get("numel"))
+    return {
+        "step": step, "module": text(ev.get("module")) or "", "phase": text(ev.get("phase")) or "forward",
+        "absmax": num(ev.get("absmax")), "headroom_bits": num(ev.get("headroom_bits")),
+        "inf": finite(ev.get("inf")) or 0.0, "nan": finite(ev.get("nan")) or 0.0,
+        # finite values above the dtype's max (an fp32 tensor that would not fit), and passes whose
+        # output held inf/NaN (counted even on passes without full counts)
+        "overflow": finite(ev.get("overflow")) or 0.0,
+        "nonfinite_passes": finite(ev.get("nonfinite_passes")) or 0.0,
+        "subnormal_frac": (finite(ev.get("subnormal")) or 0.0) / numel if numel else None,
+        "zeros_frac": (finite(ev.get("zeros")) or 0.0) / numel if numel else None,
+        "dtype": text(ev.get("dtype"))}          # the output's own dtype; None before v6
+
+
+def _nonfinite_row(ev: dict, step: int | None) -> dict:
+    return {
+        "step": step, "phase": text(ev.get("phase")), "module": text(ev.get("module")),
+        "op": text(ev.get("op")), "source": text(ev.get("source")), "kind": text(ev.get("kind")),
+        # the loss scaler's probing (gone with the gradient unscaled), not a fault; absent before v6
+        "scaled_only": ev.get("scaled_only") is True}
+
+
+def _divergence_row(ev: dict, step: int | None) -> dict:
+    return {
+        "step": step, "module": text(ev.get("module")) or "", "scope": text(ev.get("scope")) or "global",
+        "param": text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
+        "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db")),
+        "input_rel_l2": num(ev.get("input_rel_l2")), "output_rel_l2": num(ev.get("output_rel_l2"))}
 
 
 def _steps_summary(data: TraceData) -> dict:
