@@ -14,6 +14,7 @@ kind's share of an interval. ``bench/watch_overhead.py`` gives the amortized rat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -38,6 +39,38 @@ def kind(step: int, every: int, stats_every: int) -> str:
     return "counting" if step % every < stats_every else "sampled"
 
 
+def timed_side_by_side(model, loss_fn, data, configs: dict, patches: dict | None = None) -> dict[str, list[float]]:
+    """Train one copy of ``model`` per ``configs`` entry (``watch`` keyword arguments, None: no hooks), one step
+    each in turn on the same batches under CPU bf16 autocast; each step's process CPU time per name. ``patches``:
+    a context manager factory per name, entered around its steps."""
+    models = {n: copy.deepcopy(model) for n in configs}
+    opts = {n: torch.optim.AdamW(m.parameters()) for n, m in models.items()}
+    watches = {n: watch(models[n], dtype=torch.bfloat16, **kw) if kw is not None else None
+               for n, kw in configs.items()}
+    seconds: dict[str, list[float]] = {n: [] for n in configs}
+    try:
+        for step, (x, y) in enumerate(data):
+            for name in configs:
+                mod, opt, w = models[name], opts[name], watches[name]
+                patch = (patches or {}).get(name)
+                with patch() if patch else contextlib.nullcontext():
+                    c0 = time.process_time()
+                    if w is not None:
+                        w.set_step(step)
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = mod(*x)
+                    loss = loss_fn(out, y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    seconds[name].append(time.process_time() - c0)
+    finally:
+        for w in watches.values():
+            if w is not None:
+                w.close()
+    return seconds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ROOT / "samples" / "char_transformer.py"))
@@ -52,29 +85,7 @@ def main() -> int:
     data = batches(loaded.hook("train_data"), args.warmup + args.steps)
     configs = {"none": None, "stats": {"every": args.every, "stats_every": args.stats_every},
                "flag": {"stats": False}}
-    models = {n: copy.deepcopy(loaded.model) for n in configs}
-    opts = {n: torch.optim.AdamW(m.parameters()) for n, m in models.items()}
-    watches = {n: watch(models[n], dtype=torch.bfloat16, **kw) if kw is not None else None
-               for n, kw in configs.items()}
-    seconds: dict[str, list[float]] = {n: [] for n in configs}
-    try:
-        for step, (x, y) in enumerate(data):
-            for name in configs:
-                model, opt, w = models[name], opts[name], watches[name]
-                c0 = time.process_time()
-                if w is not None:
-                    w.set_step(step)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(*x)
-                loss = loss_fn(out, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                seconds[name].append(time.process_time() - c0)
-    finally:
-        for w in watches.values():
-            if w is not None:
-                w.close()
+    seconds = timed_side_by_side(loaded.model, loss_fn, data, configs)
     base = seconds["none"][args.warmup:]
     interval = statistics.median(base) * args.every * 1e3
     print(f"target {loaded.display}  {args.steps} timed steps, median {statistics.median(base) * 1e3:.2f} ms/step "

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,8 +32,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from ampaudit.loading import load_target
 from ampaudit.runtime import stats as stats_module
-from ampaudit.runtime.watch import watch
 from watch_overhead import batches
+from watch_pass_cost import timed_side_by_side
 
 _ZERO = torch.zeros(())
 
@@ -63,29 +61,8 @@ def main() -> int:
     sampled = {"every": 50, "stats_every": 1}
     configs = {"none": (None, None), "sampled": (sampled, None), "no_prec": ({**sampled, "precursors": False}, None),
                "no_reads": ({**sampled, "precursors": False}, no_reads), "flag": ({"stats": False}, None)}
-    models = {n: copy.deepcopy(loaded.model) for n in configs}
-    opts = {n: torch.optim.AdamW(m.parameters()) for n, m in models.items()}
-    watches = {n: watch(models[n], dtype=torch.bfloat16, **kw) if kw else None for n, (kw, _) in configs.items()}
-    seconds: dict[str, list[float]] = {n: [] for n in configs}
-    try:
-        for step, (x, y) in enumerate(data):
-            for name, (_, patch) in configs.items():
-                model, opt, w = models[name], opts[name], watches[name]
-                with patch() if patch else contextlib.nullcontext():
-                    c0 = time.process_time()
-                    if w is not None:
-                        w.set_step(step)
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        out = model(*x)
-                    loss = loss_fn(out, y)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    seconds[name].append(time.process_time() - c0)
-    finally:
-        for w in watches.values():
-            if w is not None:
-                w.close()
+    seconds = timed_side_by_side(loaded.model, loss_fn, data, {n: kw for n, (kw, _) in configs.items()},
+                                 {n: patch for n, (_, patch) in configs.items() if patch})
     keep = [i for i in range(10, args.steps) if i % 50]          # not the counting passes
     base = [seconds["none"][i] for i in keep]
     print(f"target {loaded.display}  {len(keep)} steps compared, median {statistics.median(base) * 1e3:.2f} ms/step "
