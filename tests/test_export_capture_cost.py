@@ -1,9 +1,12 @@
 """What the export capture and the audit around it skip for speed leaves the same graph and the same state.
 
 The capture unlifts without export's input-guard submodule and recompiles only when it erased a node; a meta
-export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once.
+export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once, and
+pauses the cyclic garbage collector while it captures and propagates.
 """
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch import nn
@@ -88,3 +91,39 @@ def test_a_check_without_calibration_compares_each_weight_with_its_copy_once(mon
     ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
     assert len(compared) == 2 * tensors      # once after the capture, once after the calibration
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class GcSeen(Block):
+    """Block whose forward notes whether the cyclic collector is on each time it runs (traced or calibrated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x):
+        self.seen.append(gc.isenabled())
+        return super().forward(x)
+
+
+def test_a_static_check_captures_with_the_cyclic_collector_paused_and_restores_it():
+    for build in (lambda: GcSeen(), lambda: GcSeen().to("meta")):
+        model = build()
+        x = torch.randn(2, 5, 16, device=next(model.parameters()).device)
+        assert gc.isenabled()
+        report = ampaudit.check(model, x, device="cuda", dtype="bfloat16")
+        assert report.capture in ("fx", "export") and model.seen and not any(model.seen)
+        assert gc.isenabled()
+
+
+def test_the_collector_stays_as_the_caller_left_it_and_runs_during_calibration():
+    model, x = GcSeen(), torch.randn(2, 5, 16)
+    gc.disable()
+    try:
+        ampaudit.check(model, x, device="cpu", dtype="bfloat16")
+        assert not gc.isenabled()            # not switched on by the check
+    finally:
+        gc.enable()
+    model.seen.clear()
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
+    assert model.seen and model.seen[-1]     # the calibration's real forwards run with the collector
+    assert gc.isenabled()
