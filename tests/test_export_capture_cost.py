@@ -2,7 +2,8 @@
 
 The capture unlifts without export's input-guard submodule and recompiles only when it erased a node; a meta
 export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once, and
-pauses the cyclic garbage collector while it captures and propagates.
+pauses the cyclic garbage collector while it captures and propagates; an export under autocast generates the
+code of the pieces export's autocast pass splits a forward's own autocast blocks into only where it is needed.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 from torch import nn
 
 import ampaudit
+import ampaudit.api as api
 import ampaudit.runtime.replay_state as replay_state
+from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.export_capture import _ASSERTS, capture_export, unlifted
 from ampaudit.policy import Policy
 
@@ -127,3 +130,47 @@ def test_the_collector_stays_as_the_caller_left_it_and_runs_during_calibration()
     ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
     assert model.seen and model.seen[-1]     # the calibration's real forwards run with the collector
     assert gc.isenabled()
+
+
+class OwnAutocast(nn.Module):
+    """A forward that turns autocast off around its attention, as timm's EfficientViT does."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.q(x)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            h = h.float()
+            h = (h @ h.transpose(-1, -2)).softmax(-1) @ h
+        return self.out(h)
+
+
+def _typed(audit):
+    return [(n.op, str(n.target), n.meta[AMP_KEY].dtype, n.meta[AMP_KEY].compute_dtype)
+            for n in audit.capture.gm.graph.nodes if AMP_KEY in n.meta]
+
+
+def test_an_own_autocast_block_is_captured_and_typed_as_with_eager_code_generation(monkeypatch):
+    from torch.fx import graph as fx_graph
+    from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
+
+    made = []
+    real = fx_graph.Graph.python_code
+    monkeypatch.setattr(fx_graph.Graph, "python_code", lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    for device in ("cpu", "meta"):
+        model = OwnAutocast().to(device)
+        x = torch.randn(2, 8, 16, device=device)
+        made.clear()
+        lazy = api.audit(model, x, device="cuda", dtype="bfloat16", capture_mode="export")
+        lazy_made = len(made)
+        made.clear()
+        with _force_skip_lazy_graph_module():
+            eager = api.audit(model, x, device="cuda", dtype="bfloat16", capture_mode="export")
+        assert any("autocast" in str(n.target) for n in eager.capture.gm.graph.nodes)   # the block is there
+        assert _typed(lazy) == _typed(eager)
+        assert lazy.report.findings == eager.report.findings
+        assert lazy_made < len(made)
+        assert lazy.capture.gm.code == lazy.capture.gm.graph.python_code("self").src
