@@ -181,8 +181,9 @@ def cyclic_gc_paused(pause: bool = True):
     still frees what it always frees), and runs again after it, as it was. A capture and its shape propagation
     make hundreds of thousands of short-lived objects: that many allocations start collections, and one of them
     a full one, which walks every object the process holds (torch's, timm's, transformers': 0.17-0.19 CPU s for
-    mobilevit_xxs, a tenth of its check, bench/capture_speed.py). The cycles they leave are traced graphs and fake
-    tensors, not weights; the calibration, which runs real forwards, keeps the collector (``pause=False``)."""
+    mobilevit_xxs, a tenth of its check, bench/capture_speed.py). What they leave in cycles (traced graphs, fake
+    tensors) waits for the collector's next run after it; the calibration, which runs the real forward many
+    times, keeps the collector (``pause=False``)."""
     stop = pause and gc.isenabled()
     if stop:
         gc.disable()
