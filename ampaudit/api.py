@@ -8,7 +8,9 @@ never read, so a meta-device model works), runs the rules and returns a :class:`
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -121,11 +123,12 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     # has: parameters, buffers, modes, requires_grad and the RNGs are put back as they were, whatever ran.
     restore = state_snapshot(model)
     try:
-        cap = capture_any(model, args, kwargs, mode=capture_mode, policy=policy)
-        prop = AmpProp(cap.gm, policy, specialize=specialize)
-        g_args, g_kwargs = cap.graph_inputs(args, kwargs)
-        with quiet():                      # fake kernels (torchvision's) warn while shapes propagate
-            prop.propagate(*g_args, **g_kwargs)
+        with cyclic_gc_paused(not calibrate):
+            cap = capture_any(model, args, kwargs, mode=capture_mode, policy=policy)
+            prop = AmpProp(cap.gm, policy, specialize=specialize)
+            g_args, g_kwargs = cap.graph_inputs(args, kwargs)
+            with quiet():                  # fake kernels (torchvision's) warn while shapes propagate
+                prop.propagate(*g_args, **g_kwargs)
         if calibrate:
             # Calibration measures the model the user gave, not one capture moved. Without it the `finally`
             # below is the one restore (each one reads every weight and its copy).
@@ -170,6 +173,25 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
     return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes))
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused(pause: bool = True):
+    """``with cyclic_gc_paused():`` Python's cyclic garbage collector does not run inside (reference counting
+    still frees what it always frees), and runs again after it, as it was. A capture and its shape propagation
+    make hundreds of thousands of short-lived objects: that many allocations start collections, and one of them
+    a full one, which walks every object the process holds (torch's, timm's, transformers': 0.17-0.19 CPU s for
+    mobilevit_xxs, a tenth of its check, bench/capture_speed.py). What they leave in cycles (traced graphs, fake
+    tensors) waits for the collector's next run after it; the calibration, which runs the real forward many
+    times, keeps the collector (``pause=False``)."""
+    stop = pause and gc.isenabled()
+    if stop:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if stop:
+            gc.enable()
 
 
 def _data(args: tuple, kwargs: dict, batches: list | None, loss_fn, train_data=None, optimizer=None,

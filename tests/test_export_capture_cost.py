@@ -1,15 +1,21 @@
 """What the export capture and the audit around it skip for speed leaves the same graph and the same state.
 
 The capture unlifts without export's input-guard submodule and recompiles only when it erased a node; a meta
-export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once.
+export hands its graph to the unlifting uncompiled; a check without calibration puts the weights back once, and
+pauses the cyclic garbage collector while it captures and propagates; an export under autocast generates the
+code of the pieces export's autocast pass splits a forward's own autocast blocks into only where it is needed.
 """
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch import nn
 
 import ampaudit
+import ampaudit.api as api
 import ampaudit.runtime.replay_state as replay_state
+from ampaudit.analysis.amp_prop import AMP_KEY
 from ampaudit.capture.export_capture import _ASSERTS, capture_export, unlifted
 from ampaudit.policy import Policy
 
@@ -88,3 +94,83 @@ def test_a_check_without_calibration_compares_each_weight_with_its_copy_once(mon
     ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
     assert len(compared) == 2 * tensors      # once after the capture, once after the calibration
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class GcSeen(Block):
+    """Block whose forward notes whether the cyclic collector is on each time it runs (traced or calibrated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x):
+        self.seen.append(gc.isenabled())
+        return super().forward(x)
+
+
+def test_a_static_check_captures_with_the_cyclic_collector_paused_and_restores_it():
+    for build in (lambda: GcSeen(), lambda: GcSeen().to("meta")):
+        model = build()
+        x = torch.randn(2, 5, 16, device=next(model.parameters()).device)
+        assert gc.isenabled()
+        report = ampaudit.check(model, x, device="cuda", dtype="bfloat16")
+        assert report.capture in ("fx", "export") and model.seen and not any(model.seen)
+        assert gc.isenabled()
+
+
+def test_the_collector_stays_as_the_caller_left_it_and_runs_during_calibration():
+    model, x = GcSeen(), torch.randn(2, 5, 16)
+    gc.disable()
+    try:
+        ampaudit.check(model, x, device="cpu", dtype="bfloat16")
+        assert not gc.isenabled()            # not switched on by the check
+    finally:
+        gc.enable()
+    model.seen.clear()
+    ampaudit.check(model, x, device="cpu", dtype="bfloat16", calibrate=True)
+    assert model.seen and model.seen[-1]     # the calibration's real forwards run with the collector
+    assert gc.isenabled()
+
+
+class OwnAutocast(nn.Module):
+    """A forward that turns autocast off around its attention, as timm's EfficientViT does."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.q(x)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            h = h.float()
+            h = (h @ h.transpose(-1, -2)).softmax(-1) @ h
+        return self.out(h)
+
+
+def _typed(audit):
+    return [(n.op, str(n.target), n.meta[AMP_KEY].dtype, n.meta[AMP_KEY].compute_dtype)
+            for n in audit.capture.gm.graph.nodes if AMP_KEY in n.meta]
+
+
+def test_an_own_autocast_block_is_captured_and_typed_as_with_eager_code_generation(monkeypatch):
+    from torch.fx import graph as fx_graph
+    from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
+
+    made = []
+    real = fx_graph.Graph.python_code
+    monkeypatch.setattr(fx_graph.Graph, "python_code", lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    for device in ("cpu", "meta"):
+        model = OwnAutocast().to(device)
+        x = torch.randn(2, 8, 16, device=device)
+        made.clear()
+        lazy = api.audit(model, x, device="cuda", dtype="bfloat16", capture_mode="export")
+        lazy_made = len(made)
+        made.clear()
+        with _force_skip_lazy_graph_module():
+            eager = api.audit(model, x, device="cuda", dtype="bfloat16", capture_mode="export")
+        assert any("autocast" in str(n.target) for n in eager.capture.gm.graph.nodes)   # the block is there
+        assert _typed(lazy) == _typed(eager)
+        assert lazy.report.findings == eager.report.findings
+        assert lazy_made < len(made)
+        assert lazy.capture.gm.code == lazy.capture.gm.graph.python_code("self").src
