@@ -132,3 +132,16 @@ def test_a_cast_that_overflows_an_ordinary_value_is_still_an_origin():
 
     events = locate_nonfinite(Cast(), (torch.ones(4),), {}, device_type="cpu", dtype=torch.bfloat16)
     assert [(e["op"], e["kind"]) for e in events] == [("aten._to_copy", "inf")]
+
+
+def test_an_overflow_that_moves_to_another_op_when_unscaled_is_not_the_scalers(monkeypatch):
+    # The unscaled replay's own backward inf elsewhere keeps the first one a fault; an empty replay excuses it.
+    from ampaudit.runtime import locate
+
+    ev = {"phase": "backward", "kind": "inf", "module": "a", "op": "aten.mm", "fp32_too": False}
+    moved = [{"phase": "backward", "kind": "inf", "module": "b", "op": "aten.mm"}]
+    for replayed, expected in ((moved, False), ([], True)):
+        monkeypatch.setattr(locate, "replay", lambda *a, _r=replayed, **k: list(_r))
+        out = locate.judge_against_unscaled(nn.Linear(2, 2), [dict(ev)], (torch.ones(1, 2),), scale=1024.0,
+                                            upstream=[torch.ones(1, 2)])
+        assert out[0]["scaled_only"] is expected

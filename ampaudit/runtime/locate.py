@@ -289,7 +289,7 @@ def judge_against_unscaled(root: nn.Module, events: list[dict], args: tuple, kwa
                            scale: float | None, **replay_kw: Any) -> list[dict]:
     """Mark each backward inf/NaN origin that FP32 does not share (``fp32_too=False``) with ``scaled_only``:
     whether the same low-precision replay, its ``upstream`` gradients divided by the loss ``scale``, no longer
-    has it. Such an overflow is a dynamic loss scaler probing too high a scale (it skips the step and lowers
+    has any backward inf/NaN that FP32 does not share. Such an overflow is a dynamic loss scaler probing too high a scale (it skips the step and lowers
     the scale, as designed), not the module's fault: the unscaled gradient fits the dtype. ``replay_kw`` are
     :func:`replay`'s keywords, ``upstream`` among them; nothing is replayed without a scale above 1."""
     upstream = replay_kw.pop("upstream", None)
@@ -298,10 +298,13 @@ def judge_against_unscaled(root: nn.Module, events: list[dict], args: tuple, kwa
     if not suspects or not scale or not math.isfinite(scale) or scale <= 1.0 or not upstream:
         return events
     unscaled = [None if g is None else g.float() / float(scale) for g in upstream]
+    # Excused only if the unscaled replay has no backward inf/NaN of its own at all: an overflow that merely moved
+    # to another op, or a new one, is still low precision's.
+    shared = {_origin(e) for e in events if e.get("fp32_too")}
     left = {_origin(e) for e in replay(root, args, kwargs, upstream=unscaled, **replay_kw)
-            if e.get("kind") in ("inf", "nan")}
+            if e.get("phase") == "backward" and e.get("kind") in ("inf", "nan")} - shared
     for ev in suspects:
-        ev["scaled_only"] = _origin(ev) not in left
+        ev["scaled_only"] = not left
     return events
 
 

@@ -235,7 +235,6 @@ class Watch(PassHooks):
         found = found if found is not None else nonfinite_grads(self.root.named_parameters())
         bad, modules = found["params"], found["modules"]
         self._emit("skip", scale=float(scale), params=bad, modules=modules)
-        self._loss_scale = float(scale)
         # The step was skipped, so the weights are still those of the pass that overflowed: replay it.
         if bad and not self._pass.open and self._should_replay(True):
             with self.suspended():
