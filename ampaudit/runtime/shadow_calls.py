@@ -149,11 +149,11 @@ class ShadowCalls:
             except (AttributeError, TypeError, RuntimeError):
                 continue
             patched.append(mod)
-        self._serving, self.paused = (composite, own, queues), True
+        paused, self._serving, self.paused = self.paused, (composite, own, queues), True
         try:
             yield
         finally:
-            self._serving, self.paused = None, False
+            self._serving, self.paused = None, paused
             for mod in patched:
                 mod.__dict__.pop("forward", None)
 
