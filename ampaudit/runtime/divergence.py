@@ -54,7 +54,7 @@ from ampaudit.wrappers import unwrap
 from ampaudit.runtime.metric_batch import METRIC_SAMPLE, MetricBatch, batched_sums, sample, sample_copy
 from ampaudit.runtime.divergence_results import (ROUNDING_OF as _ROUNDING_OF, Sampled, module_ranges, range_of,
                                                  read_events, sampled_pairs)
-from ampaudit.runtime.own_rerun import _NEUTRAL_DEVICES, AUTOCAST_NEUTRAL, ChildrenInFP32, rounding_pairs
+from ampaudit.runtime.own_rerun import AUTOCAST_NEUTRAL, NEUTRAL_DEVICES, ChildrenInFP32, rounding_pairs
 from ampaudit.runtime.shadow_calls import ShadowCalls
 
 METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
@@ -77,7 +77,7 @@ class DivergenceProbe:
         self._local_mods = (leaves if local == "leaves" else set(self.names)) if local else set()
         self._composites = self._local_mods - leaves
         self._neutral = ({m for m in self._local_mods if type(m) in AUTOCAST_NEUTRAL}
-                         if device_type in _NEUTRAL_DEVICES else set())
+                         if device_type in NEUTRAL_DEVICES else set())
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
         self._real_grads: dict[str, torch.Tensor] = {}

@@ -35,7 +35,7 @@ from ampaudit.runtime.replay_state import float_tensors
 AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
     getattr(nn, name) for name in op_names().get("autocast_neutral", {}).get("modules", [])
     if isinstance(getattr(nn, name, None), type))
-_NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
+NEUTRAL_DEVICES = ("cpu", "cuda")       # the policies the table is checked against (a test)
 
 
 def rounding_pairs(rounded: Any, fp32: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
