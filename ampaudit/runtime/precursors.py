@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from ampaudit.dtypes import dtype_of, limits
 from ampaudit.policy import precursors as precursor_policy
 from ampaudit.runtime.module_stack import module_names
+from ampaudit.runtime.stats import absmax_of
 
 # (owner, attribute, kind): the functions whose calls are recorded on a sampled pass.
 PATCHED = ((F, "softmax", "softmax"), (torch, "softmax", "softmax"), (torch.Tensor, "softmax", "softmax"),
@@ -127,11 +128,6 @@ def _mha_mask(attn_mask: Any, padding: Any, n: int, heads: int, L: int, S: int) 
             add = add.reshape(n, heads, L, S)
         total = add if total is None else total + add
     return total
-
-
-def _absmax(lo: float, hi: float) -> float:
-    """max(-lo, hi), NaN if either is (as torch.maximum)."""
-    return math.nan if lo != lo or hi != hi else max(-lo, hi)
 
 
 def is_attention_scores(x: Any, min_ndim: int = 4) -> bool:
@@ -360,7 +356,7 @@ class PrecursorMeter:
             read.append([(step, v) for (step, _), v in zip(s, values[at:at + len(s)])])
             at += len(s)
         rest = values[at:]
-        massive = {m: (row[0], _absmax(*rest[3 * i: 3 * i + 2]), rest[3 * i + 2])
+        massive = {m: (row[0], absmax_of(*rest[3 * i: 3 * i + 2]), rest[3 * i + 2])
                    for i, (m, row) in enumerate(self._massive.items())}
         out = [self._event("attn_logit", m, r, self.cfg["attn_logit"]["warning"])
                for m, r in zip(sorted(self._attn), read)]

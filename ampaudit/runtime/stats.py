@@ -186,8 +186,7 @@ class StatsAccumulator:
             for i, slot in enumerate(slots):
                 lo, hi = values[2 * i], values[2 * i + 1]
                 seen.add(slot)
-                # max(-min, max), NaN in either staying NaN; a non-finite tensor counts as absmax = inf.
-                v = math.nan if lo != lo or hi != hi else max(-lo, hi)
+                v = absmax_of(lo, hi)           # a non-finite tensor counts as absmax = inf
                 if not math.isfinite(v):
                     bad.add(slot)
                     v = math.inf
@@ -239,6 +238,11 @@ class StatsAccumulator:
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
     # "float32", as the meta line names dtypes: the report tells a module already in FP32 by it.
     return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def absmax_of(lo: float, hi: float) -> float:
+    """max(-lo, hi) of a tensor's min and max, NaN if either is (as torch.maximum)."""
+    return math.nan if lo != lo or hi != hi else max(-lo, hi)
 
 
 def _headroom(tmax: float, absmax: float) -> float:
