@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ampaudit.runtime.magnitude_counts import key_histogram
+from ampaudit.runtime.magnitude_counts import cumulative_counts, key_histogram
 
 LO = -133          # floor(log2) of bf16's smallest subnormal: the lowest bin a 16-bit magnitude resolves
 HI = 127           # floor(log2) of fp32's largest finite value
@@ -77,7 +77,7 @@ def log2_counts(t: torch.Tensor, histogram: torch.Tensor | None = None,
     view = _VIEW.get(t.dtype, torch.bfloat16)        # other floats are keyed as float32: bf16's patterns
     # Each column is a run of keys: differences of the cumulative count at the runs' ends (a scatter of 32768
     # counts into 263 columns, index_add_, costs ~30x more on CPU).
-    cum = cumulative if cumulative is not None and histogram is not None else raw.cumsum(0)
+    cum = cumulative_counts(raw, histogram, cumulative)
     runs = cum.index_select(0, _fold_ends(view, t.device)).diff()
     return torch.cat([runs[:NBINS], raw[:1], runs[NBINS:]])
 

@@ -99,6 +99,13 @@ def _keyed(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _KEY_SHIFT else t.float()
 
 
+def cumulative_counts(raw: torch.Tensor, histogram: torch.Tensor | None,
+                      cumulative: torch.Tensor | None) -> torch.Tensor:
+    """``raw``'s cumulative count: the caller's ``cumulative`` where it came with the ``histogram`` it was summed
+    from (a gradient's, shared by its counts and its log2 bins), else summed here."""
+    return cumulative if cumulative is not None and histogram is not None else raw.cumsum(0)
+
+
 def key_histogram(t: torch.Tensor) -> torch.Tensor:
     """(32768,) int64 device tensor: how many of ``t``'s elements have each 15-bit magnitude key (a 16-bit float's
     magnitude bits; an fp32's top 15, bf16's patterns; other floats as fp32). Queues device work only."""
@@ -163,7 +170,7 @@ def full_counts(t: torch.Tensor, target: torch.dtype, histogram: torch.Tensor | 
     n = t.numel()
     if t.dtype != torch.float32:
         raw = histogram if histogram is not None else key_histogram(t)
-        cum = cumulative if cumulative is not None and histogram is not None else raw.cumsum(0)
+        cum = cumulative_counts(raw, histogram, cumulative)
         counts = n - cum.index_select(0, plan.below)
         # The smallest nonzero key: the first where the (sorted) cumulative count passes the zeros' (a binary
         # search); none below inf -> inf, reported as None.
@@ -171,7 +178,7 @@ def full_counts(t: torch.Tensor, target: torch.dtype, histogram: torch.Tensor | 
         return counts, first.to(th.itype).view(t.dtype).float()
     bits = t.abs().view(torch.int32)
     raw = histogram if histogram is not None else torch.bincount((bits >> 16).reshape(-1), minlength=KEYS)
-    cum = cumulative if cumulative is not None and histogram is not None else raw.cumsum(0)
+    cum = cumulative_counts(raw, histogram, cumulative)
     counts = n - cum.index_select(0, plan.below)
     on_cpu = t.device.type == "cpu"
     # Key 0 holds the zeros (and fp32 values below 2^-133). On CPU its count is read for free: when it is
