@@ -202,7 +202,9 @@ class DivergenceProbe:
                 self._handles.append(mod.register_forward_pre_hook(self._shadow_pre, with_kwargs=True))
         self._handles.append(register_module_forward_hook(self._shadow_post))
         # After _shadow_post's hook: a composite's re-run (in it) reads the frame this one closes.
-        self._calls_kept = ShadowCalls(self.names) if self._run_composites_now else None
+        # Only CPU answers are ever kept (ShadowCalls): on another device the bookkeeping would be all cost.
+        on_cpu = all(p.device.type == "cpu" for p in self.root.parameters())
+        self._calls_kept = ShadowCalls(self.names) if self._run_composites_now and on_cpu else None
         kept = self._calls_kept.hook() if self._calls_kept is not None else []
         grad_ctx = torch.enable_grad() if grad else torch.no_grad()
         self._in_shadow = True
