@@ -9,7 +9,7 @@ import torch
 from conftest import ASSETS, load_module
 
 from ampaudit.runtime.session import WatchSession
-from ampaudit.runtime.trace import TraceWriter, read_trace
+from ampaudit.runtime.trace import MemoryTrace, TraceWriter, read_trace
 from ampaudit.train import Trainer
 
 
@@ -101,3 +101,30 @@ def test_skips_name_the_overflowing_parameter(mlp, tmp_path, opt_level):
     assert skips[0]["scale"] == 65536.0
     assert [e["skipped"] for e in events if e["event"] == "step"] == [False, True, False]
     assert trainer._skips.last["params"] == skips[0]["params"]
+
+
+def _memory_run(mlp, trace=None):
+    session = WatchSession(trace, every=1)
+    session.start(mlp.build_model(dropout=0.0), dtype=torch.float16, source="train", meta={"dtype": "float16"})
+    session.begin_step(1)
+    session.write_step(loss=0.5, scale=65536.0, skipped=False, grad_norm=math.inf, clipped=None, lr=1e-3)
+    session.write("note", step=1, sizes=(1, 2), amax=torch.tensor(float("nan")))    # a caller's own kind
+    session.close()
+    return session
+
+
+def test_memory_mode_events_read_as_a_trace_file_would(mlp):
+    session = _memory_run(mlp)
+    events = session.events
+    assert [e["event"] for e in events] == ["meta", "step", "note"]
+    assert events[1]["grad_norm"] == "inf" and events[2]["sizes"] == [1, 2] and events[2]["amax"] == "nan"
+    assert json.loads(json.dumps(events)) == events
+    events.append({"event": "mine"})      # each read is the caller's own list
+    assert session.events == events[:-1]
+
+
+def test_a_shared_memory_trace_is_the_sessions_events(mlp):
+    trace = MemoryTrace()
+    session = _memory_run(mlp, trace)
+    assert [e["event"] for e in session.events] == ["meta", "step", "note"]
+    assert session.events == trace.events

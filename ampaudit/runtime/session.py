@@ -33,8 +33,6 @@ plan's low-precision layers ``recipe_stats`` and, with ``fp8_fallback``, ``fallb
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import math
 import os
 import time
@@ -47,7 +45,7 @@ import torch.nn as nn
 
 from ampaudit.dtypes import name_of
 from ampaudit.runtime.grads import from_flags, is_sharded, nonfinite_grads, param_grad_norms  # noqa: F401
-from ampaudit.runtime.trace import TraceWriter, read_trace
+from ampaudit.runtime.trace import MemoryTrace, TraceWriter, read_trace
 from ampaudit.runtime.trace_schema import meta as trace_meta
 
 if TYPE_CHECKING:
@@ -116,7 +114,7 @@ class WatchSession:
         self._model: nn.Module | None = None
         self.writer: TraceWriter | None = None
         self._owns_writer = False
-        self._buffer: io.StringIO | None = None
+        self._memory: MemoryTrace | None = None     # the events of a run kept in memory (trace None)
         self._step: int | None = None
         self._t0: float | None = None
         self._losses: list[Any] = []
@@ -147,8 +145,8 @@ class WatchSession:
         if self.trace is None and not self.memory:
             return
         if self.trace is None:
-            self._buffer = io.StringIO()
-            self.writer, self._owns_writer = TraceWriter(self._buffer), False
+            self._memory = MemoryTrace()
+            self.writer, self._owns_writer = self._memory, False
         elif isinstance(self.trace, TraceWriter):
             self.writer, self._owns_writer = self.trace, False
         else:
@@ -363,9 +361,10 @@ class WatchSession:
 
     @property
     def events(self) -> list[dict]:
-        """Every event so far (from memory, or read back from the trace file)."""
-        if self._buffer is not None:
-            return [json.loads(line) for line in self._buffer.getvalue().splitlines() if line.strip()]
+        """Every event so far (from memory, or read back from the trace file), as a list of the caller's own."""
+        memory = self.trace if isinstance(self.trace, MemoryTrace) else self._memory
+        if memory is not None:
+            return list(memory.events)
         path = self.trace.path if isinstance(self.trace, TraceWriter) else self.trace
         if path is not None and os.path.isfile(path):
             return read_trace(path)[0]
