@@ -281,6 +281,30 @@ def test_an_overflow_only_the_loss_scale_makes_is_the_scalers_probing():
     assert w_back and w_back[0]["module"] == "1" and w_back[0]["scaled_only"] is False
 
 
+def _hand_scaled_loop(said: dict[int, float]):
+    # A loop that scales its loss by hand, 2 at step 0 and 1000 at step 1, telling the watch only `said`.
+    torch.manual_seed(0)
+    with watch(_BackwardOverflow(), stats_every=1, locate_first=False) as w:
+        for step, scale in enumerate((2.0, 1000.0)):
+            w.set_step(step)
+            if step in said:
+                w.set_loss_scale(said[step])
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = w.root(torch.randn(4, 8) * 1e-4)
+            w.root.zero_grad()
+            (out.float().sum() * scale).backward()
+    return [e for e in w.nonfinite if e["phase"] == "backward"]
+
+
+def test_a_loss_scale_applies_to_the_step_it_is_said_for():
+    # Said for step 1 itself: its overflow is the scale's. Said for step 0 only: step 1's scale is unknown, so
+    # no verdict (step 0's scale of 2 is not step 1's, and dividing by it would call the overflow boost's fault).
+    told = _hand_scaled_loop({0: 2.0, 1: 1000.0})
+    assert told and told[0]["step"] == 1 and told[0]["scaled_only"] is True
+    stale = _hand_scaled_loop({0: 2.0})
+    assert stale and stale[0]["step"] == 1 and "scaled_only" not in stale[0]
+
+
 def test_skipped_step_replays_and_locates_a_backward_overflow():
     torch.manual_seed(0)
     model = _BackwardOverflow()

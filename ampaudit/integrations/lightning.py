@@ -107,7 +107,7 @@ class AmpAuditCallback(SessionViews, _pl.Callback):
         self._scale = scaler.get_scale() if scaler is not None else None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.session.begin_step(trainer.global_step)
+        self.session.begin_step(trainer.global_step, self._scale)    # the scale this step's backward carries
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Lightning calls this after unscaling and before clipping: the gradients as the backward left them.

@@ -165,9 +165,9 @@ class AmpAuditCallback(SessionViews, TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if not self.session.active:
             return
-        self.session.begin_step(state.global_step)
         scaler = getattr(optimizer, "scaler", None)
         self._scale = scaler.get_scale() if scaler is not None else None   # the scale this step's backward uses
+        self.session.begin_step(state.global_step, self._scale)
         self._want_loss, self._losses, self._partial, self._measured = True, [], False, False
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

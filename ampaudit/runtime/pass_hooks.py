@@ -385,12 +385,13 @@ class PassHooks:
                                                  hint="keep that module in fp32 (ampaudit.keep_fp32) or use bf16")
 
     def _loss_scale_now(self) -> float | None:
-        """The loss scale the pass just ended carried: the loop's GradScaler, else the last one the caller said
-        (``set_loss_scale``, ``on_skipped_step``); None when unknown (no verdict on the scaler then)."""
+        """The loss scale the pass just ended carried: the loop's GradScaler, else the one the caller said for
+        this step (``set_loss_scale``); None when unknown (no verdict on the scaler then)."""
         scaler = getattr(self, "_scaler", None)
         if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
             return float(scaler.get_scale())
-        return getattr(self, "_loss_scale", None)
+        said = getattr(self, "_loss_scale", None)
+        return said[1] if said is not None and said[0] == self.step else None
 
     def _raise_pending(self) -> None:
         err, self._pending_error = self._pending_error, None

@@ -138,7 +138,8 @@ class Watch(PassHooks):
         self._names = module_names(self.root)
         self._acc = StatsAccumulator(dtype)
         self._hist = GradHistograms(scaler) if stats and grad_hist else None
-        self._scaler, self._loss_scale = scaler, None     # the scale a replay divides out (PassHooks)
+        # The scale a replay divides out (PassHooks): the scaler's, else (step, scale) from set_loss_scale.
+        self._scaler, self._loss_scale = scaler, None
         self._prec = PrecursorMeter(self.root, dtype) if stats and precursors else None
         self._fslot = {m: self._acc.slot(n, "forward") for m, n in self._names.items()}
         self._bslot = {m: self._acc.slot(n, "backward") for m, n in self._names.items()}
@@ -219,12 +220,16 @@ class Watch(PassHooks):
         self._raise_pending()
 
     def set_loss_scale(self, scale: float) -> None:
-        """The loss scale the backward of the current step carries (``grad_hist`` events record it); any time
-        before the interval's flush (before the backward, for a replay to tell the scaler's own overflows from
-        faults). Not needed with ``scaler=``."""
-        self._loss_scale = float(scale)
+        """The loss scale the backward of one step carries: the step of the pass now open, else the step numbered
+        by :meth:`set_step`, else the next forward's. Said before that backward, a replay of the step's pass tells
+        the scaler's own overflows from faults by it; a step it was not said for has no scale (a loop's scaler
+        may have moved since), so its overflows get no such verdict. ``grad_hist`` events record it (there a
+        step with none takes the latest). Not needed with ``scaler=``."""
+        p = self._pass
+        step = p.step if p.open and p.step is not None else self.step if self._explicit_step else self._forwards
+        self._loss_scale = (step, float(scale))
         if self._hist is not None:
-            self._hist.note_scale(float(scale), self.step)
+            self._hist.note_scale(float(scale), step)
 
     def on_skipped_step(self, scale: float, found: dict | None = None) -> dict:
         """The loss scaler skipped this step: name the parameters (and their modules) with inf/NaN grads.
