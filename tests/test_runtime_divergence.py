@@ -133,3 +133,28 @@ def test_a_container_reuses_its_childs_range_only_while_the_tensor_is_unwritten(
         assert rows[""][key] == rows["2"][key]
     # `y += 1000` wrote into lin's output after lin returned: measured again, on the values the wrapper returns.
     assert rows["2"]["absmax"] > 900 > rows["2.lin"]["absmax"]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(16, 16), nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x)) + x
+
+
+def test_a_users_hooks_run_once_in_a_modules_own_rerun():
+    """The real forward ran each module's forward pre-hooks once (a doubling one here, on a leaf and on a
+    composite) and its forward hooks after the recorded output: the own-error re-run on the recorded inputs must
+    neither double them again nor apply the forward hook (own error ~rounding, not ~1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _Block(), nn.Linear(16, 4))
+    double = lambda mod, args: tuple(a * 2 for a in args)     # noqa: E731
+    model[0].register_forward_pre_hook(double)
+    model[1].register_forward_pre_hook(double)
+    model[1].fc.register_forward_pre_hook(lambda mod, args, kwargs: ((args[0] * 2,), kwargs), with_kwargs=True)
+    model[2].register_forward_hook(lambda mod, args, out: out * 3)
+    rows = {r["module"]: r for r in compare_to_fp32(model, (torch.randn(8, 16),), {}, dtype=torch.bfloat16)}
+    for name in ("0", "1", "1.fc", "2", ""):
+        assert rows[name]["local_rel_l2"] < 0.02, (name, rows[name])

@@ -319,7 +319,9 @@ class DivergenceProbe:
         try:
             with rng_replayed({"cpu": state, "cuda": cuda_state}), torch.no_grad(), \
                     torch.autocast(self.device_type, dtype=self.dtype, enabled=autocast), served:
-                lo = mod(*args, **kwargs)
+                # Its forward alone: the inputs were recorded after its forward pre-hooks and the reference
+                # output before its forward hooks, so running them again would apply a user's hook twice.
+                lo = mod.forward(*args, **kwargs)
         finally:
             self._own.stop()
             self._in_local = False
