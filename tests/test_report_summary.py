@@ -6,9 +6,11 @@ import math
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from ampaudit.errors import InputError, TraceError
 from ampaudit.report.trace_advice import load_findings
+from ampaudit.report.trace_console import render_summary
 from ampaudit.report.trace_summary import collect, num, summarize, summarize_trace
 from ampaudit.runtime.trace import TraceWriter
 from trace_events import ev
@@ -276,3 +278,16 @@ def test_an_overflow_only_the_loss_scale_makes_is_a_skipped_step_not_a_culprit(t
     fault = summarize_trace(_write(tmp_path / "fault.jsonl", steps, [("nonfinite", 1, probe), skip]))
     assert fault["first_nonfinite"]["module"] == "head" and "scaled_only" not in fault["first_nonfinite"]
     assert kinds(fault)[0] == "keep_fp32" and fault["recommendations"][0]["modules"] == ["head"]
+    # The console says why nothing is named first, rather than a bare "none recorded" beside a skipped step.
+    assert "none recorded (1 overflow was the loss scaler's own probing: a skipped step, as designed)" in _console(s)
+    two = summarize_trace(_write(tmp_path / "probe2.jsonl", steps, [("nonfinite", 1, {**probe, "scaled_only": True}),
+                                                                     ("nonfinite", 1, {**probe, "scaled_only": True})]))
+    assert "(2 overflows were the loss scaler's own probing: skipped steps, as designed)" in _console(two)
+    clean = summarize_trace(_write(tmp_path / "clean.jsonl", steps[1:]))
+    assert "  none recorded\n" in _console(clean)
+
+
+def _console(summary: dict) -> str:
+    console = Console(record=True, width=200)
+    render_summary(summary, console)
+    return console.export_text()

@@ -189,7 +189,16 @@ def _render_first_nonfinite(summary: dict, c: Console) -> None:
                 + (f"; {summary['nonfinite']['count']} non-finite events in all"
                    if summary["nonfinite"]["count"] > 1 else ""))
     else:
-        c.print("  none recorded")
+        c.print("  none recorded" + _probing(summary["nonfinite"].get("scaled_only", 0)))
+
+
+def _probing(overflows: int) -> str:
+    # Overflows only the loss-scaled gradient had: the dynamic scaler probing (trace v6 ``scaled_only``), not a fault.
+    if not overflows:
+        return ""
+    many = overflows != 1
+    return (f" ({overflows} overflow{'s were' if many else ' was'} the loss scaler's own probing: "
+            f"{'skipped steps' if many else 'a skipped step'}, as designed)")
 
 
 def _render_recommendations(summary: dict, c: Console) -> None:
