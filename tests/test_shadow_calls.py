@@ -152,3 +152,47 @@ def test_a_child_that_writes_into_a_keyword_input_is_computed_not_served(monkeyp
     _rows(nn.Sequential(PassesKeyword()).eval(), torch.randn(3, 16), 2048, monkeypatch)
     assert ("PassesKeyword", True) in outcomes          # the container's child is served ...
     assert all(name != "WritesKeyword" for name, _ in outcomes)    # ... the writer is never kept
+
+
+class Knob:
+    """A mutable argument that is not a tensor: its value can change while the object stays the same."""
+
+    def __init__(self):
+        self.gain = 1.0
+
+
+class Gain(nn.Module):
+    def forward(self, x, opts, factor, knob=None):
+        return x * (opts["gain"] * factor * (knob.gain if knob is not None else 1.0))
+
+
+class TurnsItsKnobs(nn.Module):
+    """Calls its child with its input untouched (servable) and, by ``changes``, a dict or an object it changes
+    after the call: then the child's answer in the re-run is not the shadow's, though every argument is the same
+    object as the shadow's."""
+
+    def __init__(self, changes: str):
+        super().__init__()
+        self.gain, self.fc, self.changes = Gain(), nn.Linear(16, 16), changes
+        self.knob, self.opts = Knob(), {"gain": 1.0}
+
+    def forward(self, x):
+        y = self.gain(x, self.opts, 2.0, *([self.knob] if self.changes == "object" else []))
+        if self.changes == "dict":
+            self.opts["gain"] += 1.0
+        elif self.changes == "object":
+            self.knob.gain += 1.0
+        return self.fc(y)
+
+
+@pytest.mark.parametrize("changes", ["nothing", "dict", "object"])
+def test_a_mutable_argument_is_not_taken_as_unchanged_because_it_is_the_same_object(changes, monkeypatch):
+    # The rows are what computing every call gives (cap 0: nothing kept); unchanged plain arguments still serve.
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    kept, served = _rows(TurnsItsKnobs(changes).eval(), x, 2048, monkeypatch)
+    torch.manual_seed(0)
+    again, _ = _rows(TurnsItsKnobs(changes).eval(), x, 0, monkeypatch)
+    assert [(r["module"], r.get("local_rel_l2")) for r in kept] == [(r["module"], r.get("local_rel_l2"))
+                                                                   for r in again]
+    assert (served > 0) is (changes == "nothing")

@@ -15,7 +15,10 @@ is the one the shadow computed, on the same inputs, weights and RNG state, so it
 cloned (the composite may write into it). A call is served only when all of this holds, else it runs:
 
 - its inputs are equal to the shadow's, tensor by tensor (``torch.equal``, same dtype and shape; NaN never
-  matches) and every other argument the same object or an equal number or string;
+  matches), and every other argument an equal value of an immutable type (None, bool, numbers, str, bytes, tuples
+  and frozensets of those, torch.dtype/device/Size, enums), compared with the arguments as they were at the
+  shadow's call (flattened then: a dict or list changed since shows). Any other object (a cache, a config) may
+  have changed inside though it is the same object, so such a call is computed, not served;
 - neither those inputs nor its outputs were written in place since the shadow's call (version counters), and
   its own forward did not write into its inputs (their versions before the call: positional ones from the global
   pre-hook, keyword ones from :meth:`ShadowCalls.note_kwargs`; a call whose tensors were not all seen is not kept);
@@ -30,6 +33,7 @@ run again, as before).
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any, Iterator
 
 import torch
@@ -39,15 +43,18 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ampaudit.policy import settings
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+# Values that cannot change while the object stays the same (tuples and frozensets: when their items cannot).
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+              torch.layout, torch.memory_format, enum.Enum)
 
 
 class _Call:
-    __slots__ = ("mod", "rng", "versions", "args", "kwargs", "out", "out_versions", "rng_after", "calls", "nbytes")
+    __slots__ = ("mod", "rng", "versions", "flat", "spec", "out", "out_versions", "rng_after", "calls", "nbytes")
 
     def __init__(self, mod: nn.Module, rng: torch.Tensor, versions: dict[int, int]):
         self.mod, self.rng, self.versions = mod, rng, versions
-        self.args = self.kwargs = self.out = self.rng_after = None
+        self.flat: list | None = None         # its arguments flattened at the call (containers may change later)
+        self.spec = self.out = self.rng_after = None
         self.out_versions: list[int] = []
         self.calls: list[_Call] = []          # its completed submodule calls, in order
         self.nbytes = 0
@@ -62,9 +69,13 @@ def _same(a: Any, b: Any) -> bool:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
         return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b))
-    if a is b:
-        return True
-    return type(a) is type(b) and isinstance(a, _PLAIN) and a == b
+    return type(a) is type(b) and _immutable(a) and (a is b or a == b)
+
+
+def _immutable(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset)) and not isinstance(value, torch.Size):
+        return all(_immutable(v) for v in value)
+    return isinstance(value, _IMMUTABLE)
 
 
 class ShadowCalls:
@@ -100,12 +111,13 @@ class ShadowCalls:
         if self.paused or mod not in self.names or len(self._stack) < 2 or self._stack[-1].mod is not mod:
             return
         call = self._stack.pop()
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        flat, spec = tree_flatten((args, kwargs))
+        ins, outs = [t for t in flat if isinstance(t, torch.Tensor)], _tensors(out)
         keep = (all(call.versions.get(id(t)) == t._version for t in ins) and
                 all(t.device.type == "cpu" for t in ins + outs))
         size = sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values())
         if keep and self.held + size <= self.cap_bytes:
-            call.args, call.kwargs, call.out = args, kwargs, out
+            call.flat, call.spec, call.out = flat, spec, out
             call.versions = {id(t): t._version for t in ins}
             call.out_versions = [t._version for t in outs]
             call.rng_after = torch.get_rng_state()
@@ -120,7 +132,7 @@ class ShadowCalls:
     def _free(self, calls: list[_Call]) -> None:
         for c in calls:
             self.held -= c.nbytes
-            c.args = c.kwargs = c.out = None
+            c.flat = c.spec = c.out = None
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -183,10 +195,10 @@ class ShadowCalls:
         if call.out is None:
             return False
         mine, spec = tree_flatten((args, kwargs))
-        theirs, their_spec = tree_flatten((call.args, call.kwargs))
-        if spec != their_spec or len(mine) != len(theirs):
+        theirs = call.flat
+        if spec != call.spec or len(mine) != len(theirs):
             return False
-        if any(t._version != call.versions.get(id(t)) for t in _tensors((call.args, call.kwargs))):
+        if any(isinstance(t, torch.Tensor) and t._version != call.versions.get(id(t)) for t in theirs):
             return False
         if [t._version for t in _tensors(call.out)] != call.out_versions:
             return False
