@@ -17,10 +17,9 @@ import contextlib
 import os
 import warnings
 from functools import lru_cache
-from pathlib import Path
 from typing import Iterator
 
-from ampaudit.user_code import is_user_file, library_dirs
+from ampaudit.user_code import is_user_file
 
 
 def debug() -> bool:
@@ -31,12 +30,7 @@ def debug() -> bool:
 @lru_cache(maxsize=4096)
 def concerns_user(filename: str) -> bool:
     """Whether a warning attributed to ``filename`` is about the user's own code (see the module docstring)."""
-    if not is_user_file(filename):
-        return False
-    try:
-        return not str(Path(filename).resolve()).startswith(library_dirs())
-    except OSError:
-        return False
+    return is_user_file(filename)       # an installed package's file (a virtualenv's too) is not the user's
 
 
 @contextlib.contextmanager

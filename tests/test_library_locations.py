@@ -124,23 +124,61 @@ def test_a_torch_only_model_still_has_no_line():
 
 
 def test_a_virtualenvs_site_packages_is_a_library_not_the_users(tmp_path, monkeypatch):
-    # A virtualenv's site-packages lies outside the standard library's folder: is_user_file says yes for it.
+    # A virtualenv's site-packages lies outside the standard library's folder; it is still no file of the user's
+    # (a wrapped helper of timm's there is not a user function), whether it is this interpreter's or another's.
     import ampaudit.user_code as user_code
+    from ampaudit.sourcefix import driver
 
     site = tmp_path / "venv" / "lib" / "site-packages"
-    (site / "pkg").mkdir(parents=True)
-    (site / "pkg" / "mod.py").write_text("x = 1\n")
+    other = tmp_path / "other" / "lib" / "python3" / "dist-packages"
+    for folder in (site, other):
+        (folder / "pkg").mkdir(parents=True)
+        (folder / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "mine.py").write_text("x = 1\n")
     monkeypatch.setattr(user_code, "library_dirs", lambda: (str(site.resolve()) + os.sep,))
     user_code.clear_caches()
     try:
         path = str(site / "pkg" / "mod.py")
-        assert user_code.is_user_file(path)
+        assert not user_code.is_user_file(path) and user_code.is_library_file(path)
+        elsewhere = str(other / "pkg" / "mod.py")      # a site folder of no interpreter running here
+        assert not user_code.is_user_file(elsewhere) and user_code.library_path(elsewhere) == "pkg/mod.py"
+        assert user_code.frame_kind(elsewhere) == (user_code.LIBRARY, "pkg")
+        # fix asks the same owner: never a library's file, nor torch's; the user's own file it edits.
+        assert driver.is_library_file(path) and driver.is_library_file(elsewhere)
+        assert driver.is_library_file(torch.nn.functional.__file__)
+        assert not driver.is_library_file(tmp_path / "mine.py")
         assert user_code.frame_kind(path) == (user_code.LIBRARY, "pkg")
         assert user_code.library_path(path) == "pkg/mod.py"
         assert user_code.frame_kind(__file__) == (user_code.USER, None)
         assert user_code.frame_kind(torch.nn.functional.__file__) == (None, None)
     finally:
         user_code.clear_caches()
+
+
+HOT_OPS = '''
+def squash(h):
+    return h * 1e5      # HOT_LINE: past fp16's max
+'''
+
+
+def test_the_runtime_locator_names_the_models_own_package_like_the_static_audit(tinymodels, monkeypatch):
+    # The inf arises in tinyhelpers (a library the model calls); the line named is the model package's call, as
+    # capture.source_lines names it statically.
+    from ampaudit.runtime.locate import locate_nonfinite
+    from ampaudit.runtime.module_stack import model_location
+
+    helper = Path(sys.modules["tinyhelpers.ops"].__file__)
+    net = tinymodels.__file__
+    frames = [(str(helper), 3), (net, _line(NET, "SQUASH_LINE"))]
+    assert model_location(frames) == f"{helper}:3"
+    assert model_location(frames, packages=frozenset({"tinymodels"})) == f"{net}:{_line(NET, 'SQUASH_LINE')}"
+    helper.write_text(HOT_OPS)
+    for name in [n for n in sys.modules if n.split(".")[0] in ("tinymodels", "tinyhelpers")]:
+        monkeypatch.delitem(sys.modules, name)
+    module = importlib.import_module("tinymodels.models.net")
+    torch.manual_seed(0)
+    found = locate_nonfinite(module.Net(), (torch.randn(4, 64) * 10,), dtype=torch.float16)
+    assert found and found[0]["kind"] == "inf" and found[0]["source"].endswith(f"net.py:{_line(NET, 'SQUASH_LINE')}")
 
 
 @pytest.fixture

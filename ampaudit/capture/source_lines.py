@@ -15,10 +15,10 @@ Every capture asks this for every op (fx and dispatch from the running Python st
 3. failing that, the innermost frame of any installed library;
 4. else None (a model of torch modules only: no line, rather than the line of whatever called the audit).
 
-Frames of torch, ampaudit and the standard library never count. The runtime locators follow rules 1, 3 and 4
-(:func:`ampaudit.runtime.module_stack.model_location`: they are not told the model's packages), so a static and
-a measured finding on the same op of a library model name the same line wherever its innermost library frame is
-the model package's. The report marks a library's line as such (``ampaudit.rules.engine``).
+Frames of torch, ampaudit and the standard library never count. The runtime locators follow the same rules
+(:func:`ampaudit.runtime.module_stack.model_location`, told the model's packages by their
+:class:`~ampaudit.runtime.module_stack.ModuleStack`), so a static and a measured finding on the same op of a
+library model name the same line. The report marks a library's line as such (``ampaudit.rules.engine``).
 
 Cost: a frame's kind is one dict lookup (:func:`ampaudit.user_code.frame_kind`); the ``SourceLoc`` of one code
 location (its linecache read) is built once; an export stack string is parsed once however many nodes share it
@@ -33,17 +33,9 @@ from typing import Iterable
 from torch import nn
 
 from ampaudit.graph_meta import SourceLoc
-from ampaudit.user_code import LIBRARY, USER, frame_kind
+from ampaudit.user_code import LIBRARY, USER, frame_kind, model_packages
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n')
-
-
-def model_packages(root: nn.Module | None) -> frozenset[str]:
-    """Top-level packages of the classes of ``root``'s modules, other than torch (which never owns a line)."""
-    if root is None:
-        return frozenset()
-    names = {type(m).__module__.split(".", 1)[0] for m in root.modules()}
-    return frozenset(names - {"torch", "builtins", "__main__"})
 
 
 class SourceLines:

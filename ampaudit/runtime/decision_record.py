@@ -99,7 +99,8 @@ class DecisionRecorder(TorchDispatchMode):
             return out
         # The model's line, not the caller's: frames from measure_decisions outward (check, the user's script)
         # are not the model's code, which a library model (transformers under site-packages) would fall back to.
-        key = (self.tracker.current, name, user_source(sys._getframe(1), stop=measure_decisions.__code__))
+        key = (self.tracker.current, name, user_source(sys._getframe(1), stop=measure_decisions.__code__,
+                                                         packages=self.tracker.packages))
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         if self.phase == "low":

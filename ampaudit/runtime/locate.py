@@ -115,10 +115,11 @@ class NonFiniteLocator(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             module = self.tracker.owner_of_node(node)
             meta = node.metadata.get("traceback_") if node is not None else None
-            source = source_from_lines(meta, stop=replay.__code__) if isinstance(meta, list) else None
+            source = source_from_lines(meta, stop=replay.__code__, packages=self.tracker.packages) if isinstance(meta, list) else None
             return "backward", module if module is not None else self.tracker.current, source
         # Frames from replay's outward are its caller's (a script's check(model) line), not the model's.
-        return "forward", self.tracker.current, user_source(sys._getframe(2), stop=replay.__code__)
+        return "forward", self.tracker.current, user_source(sys._getframe(2), stop=replay.__code__,
+                                                              packages=self.tracker.packages)
 
     def _record(self, func: Any, kind: str, cause: str, dtype: str | None, **extra: Any) -> dict | None:
         phase, module, source = self._where()
@@ -233,7 +234,7 @@ def _replay_once(root: nn.Module, args: tuple, kwargs: dict, *, device_type: str
                 out = root(*args, **kwargs)
         except Exception as exc:  # the forward raised: report where, not a traceback
             if locator.error is None:
-                locator.events.append(_python_error(exc, tracker.current))
+                locator.events.append(_python_error(exc, tracker.current, tracker.packages))
             return locator.events
         if backward:
             try:
@@ -308,8 +309,9 @@ def judge_against_unscaled(root: nn.Module, events: list[dict], args: tuple, kwa
     return events
 
 
-def _python_error(exc: BaseException, module: str) -> dict:
-    source = model_location((e.filename, e.lineno or 0) for e in reversed(traceback.extract_tb(exc.__traceback__)))
+def _python_error(exc: BaseException, module: str, packages: frozenset[str]) -> dict:
+    source = model_location(((e.filename, e.lineno or 0) for e in reversed(traceback.extract_tb(exc.__traceback__))),
+                            packages=packages)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return {"phase": "forward", "module": module, "op": None, "source": source, "kind": "error",
             "cause": "op", "dtype": None, "message": f"{type(exc).__name__}: {first}"[:300]}

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ampaudit.user_code import is_library_file, is_user_file
+from ampaudit.user_code import frame_kind, is_user_file, model_packages, LIBRARY, USER
 
 _TB_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?')
 
@@ -33,29 +33,35 @@ def short_location(filename: str, line: int) -> str:
     return f"{filename}:{line}"
 
 
-def model_location(frames: Iterable[tuple[str, int]], *,
+def model_location(frames: Iterable[tuple[str, int]], *, packages: frozenset[str] = frozenset(),
                    passed_over: Callable[[str], bool] | None = None) -> str | None:
     """``file:line`` of the model's code among ``frames`` ((file, line), innermost first): the first in the user's
-    own files; failing that, the first in an installed library's (transformers' attention: a library model's own
-    code); None when every frame is torch's, ampaudit's or Python's.
+    own files; failing that, the first in one of ``packages`` (the libraries the model's classes come from:
+    :func:`ampaudit.user_code.model_packages`; transformers' attention, not an einops helper it calls), then in
+    any installed library's; None when every frame is torch's, ampaudit's or Python's. The rule of
+    :class:`ampaudit.capture.source_lines.SourceLines`, so a measured finding names a static one's line.
 
     ``passed_over`` (a test of a file name) makes the rule strict: only the frames whose file it accepts are
     passed over, and the first other frame is the answer when it is in the user's own files, None when it is not
     (no library fallback: the code that called in was ampaudit's, a library's or Python's)."""
-    library = None
+    own = library = None
     for filename, line in frames:
         if passed_over is not None:
             if passed_over(filename):
                 continue
             return short_location(filename, line) if is_user_file(filename) else None
-        if is_library_file(filename):
-            library = library or short_location(filename, line)
-        elif is_user_file(filename):
+        kind, package = frame_kind(filename)
+        if kind == USER:
             return short_location(filename, line)
-    return library
+        if kind == LIBRARY:
+            if own is None and package in packages:
+                own = short_location(filename, line)
+            library = library or short_location(filename, line)
+    return own or library
 
 
-def user_source(frame=None, *, stop=None, passed_over: Callable[[str], bool] | None = None) -> str | None:
+def user_source(frame=None, *, stop=None, passed_over: Callable[[str], bool] | None = None,
+                packages: frozenset[str] = frozenset()) -> str | None:
     """:func:`model_location` of the stack from ``frame`` (default: the caller's) outward, up to the frame
     running code object ``stop`` (the caller of the model: it and the frames outside it, such as the script that
     called ``check``, are not the model's code), under the strict rule when ``passed_over`` is given."""
@@ -67,7 +73,7 @@ def user_source(frame=None, *, stop=None, passed_over: Callable[[str], bool] | N
             yield f.f_code.co_filename, f.f_lineno
             f = f.f_back
 
-    return model_location(frames(), passed_over=passed_over)
+    return model_location(frames(), passed_over=passed_over, packages=packages)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -80,7 +86,7 @@ def writer_source(own_file: str) -> str | None:
                        passed_over=lambda filename: filename == own_file or filename.startswith(_TORCH_DIR))
 
 
-def source_from_lines(lines: list[str], *, stop=None) -> str | None:
+def source_from_lines(lines: list[str], *, stop=None, packages: frozenset[str] = frozenset()) -> str | None:
     """:func:`model_location` of formatted stack entries, outermost first (anomaly mode's "traceback_" metadata),
     counting only the entries inside the last one that runs code object ``stop``."""
     entries = [(m["file"], int(m["line"]), m["func"]) for m in map(_TB_FILE.search, lines) if m]
@@ -88,7 +94,7 @@ def source_from_lines(lines: list[str], *, stop=None) -> str | None:
         last = max((i for i, e in enumerate(entries) if (e[0], e[2]) == (stop.co_filename, stop.co_name)),
                    default=-1)
         entries = entries[last + 1:]
-    return model_location((file, line) for file, line, _ in reversed(entries))
+    return model_location(((file, line) for file, line, _ in reversed(entries)), packages=packages)
 
 
 def module_names(root: nn.Module) -> dict[nn.Module, str]:
@@ -104,6 +110,7 @@ class ModuleStack:
 
     def __init__(self, root: nn.Module, *, mark_nodes: bool = False):
         self.names = module_names(root)
+        self.packages = model_packages(root)     # the libraries whose lines model_location prefers
         self.stack: list[str] = []
         self.mark_nodes = mark_nodes
         self._seq: list[int] = []          # autograd sequence numbers where the innermost module changed

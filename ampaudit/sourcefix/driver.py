@@ -10,7 +10,6 @@ Nothing is written here: ``ampaudit.sourcefix.api`` verifies a plan and writes i
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +21,7 @@ from ampaudit.findings import SEVERITY_RANK, Finding
 from ampaudit.rules.engine import ignores
 from ampaudit.sourcefix.cst_tools import Source
 from ampaudit.sourcefix.registry import Edit, FixContext, Refusal, keep_fp32_instead, load_builtin_fixers
+from ampaudit.user_code import is_user_file
 
 # The measured rules' fixer: the module runs in fp32. It waits when a static fix in the same module may already
 # remove the fault (verification then measures again and runs it only if the fault is still there).
@@ -43,12 +43,8 @@ class Plan:
 
 
 def is_library_file(path: str | Path) -> bool:
-    """Installed code (site-packages, torch itself, the standard library): never edited."""
-    p = Path(path).resolve()
-    if any(part in ("site-packages", "dist-packages") for part in p.parts):
-        return True
-    roots = [Path(torch.__file__).resolve().parent, Path(sys.base_prefix).resolve() / "lib"]
-    return any(p.is_relative_to(r) for r in roots)
+    """Code that is not the user's (an installed package's, torch's, ampaudit's, Python's): never edited."""
+    return not is_user_file(str(path))
 
 
 def wanted(f: Finding, params: dict, named: frozenset[str] | set[str] = frozenset()) -> bool:
