@@ -115,7 +115,8 @@ class NonFiniteLocator(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             module = self.tracker.owner_of_node(node)
             meta = node.metadata.get("traceback_") if node is not None else None
-            source = source_from_lines(meta, stop=replay.__code__, packages=self.tracker.packages) if isinstance(meta, list) else None
+            source = (source_from_lines(meta, stop=replay.__code__, packages=self.tracker.packages)
+                      if isinstance(meta, list) else None)
             return "backward", module if module is not None else self.tracker.current, source
         # Frames from replay's outward are its caller's (a script's check(model) line), not the model's.
         return "forward", self.tracker.current, user_source(sys._getframe(2), stop=replay.__code__,
