@@ -93,3 +93,17 @@ def test_the_table_names_aten_ops_and_half_dtypes():
     for op, dtypes in table.items():
         assert hasattr(torch.ops.aten, op), op
         assert dtypes and dtypes <= {"float16", "bfloat16"}, (op, dtypes)
+
+
+def test_fp16_gemms_are_cublas_arithmetic_fp32_accumulated_and_rounded_once():
+    torch.manual_seed(0)
+    gemms = {"mm": (torch.mm, (torch.randn(32, 48), torch.randn(48, 16))),
+             "addmm": (F.linear, (torch.randn(32, 48), torch.randn(16, 48), torch.randn(16))),
+             "bmm": (torch.bmm, (torch.randn(3, 32, 48), torch.randn(3, 48, 16)))}
+    for name, (gemm, operands) in gemms.items():
+        half = [t.half() for t in operands]
+        with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
+            got = gemm(*half)
+        assert sim.in_fp32.get(name, 0) >= 1, (name, sim.in_fp32)
+        want = gemm(*[t.float() for t in half]).half()
+        assert got.dtype == torch.float16 and torch.equal(got, want), name
