@@ -32,7 +32,8 @@ the kernel (another CPU may have it). The registrations are process-wide while a
 CPU-autocast work on another thread meanwhile.
 
 Some CPU half kernels exist but are slow reference kernels: fp16 ``convolution_backward`` (every conv's
-backward) runs 5-300x slower than fp32 where the fp16 forward is oneDNN's and fast. CUDA's kernel (cuDNN)
+backward) runs 5-300x slower than fp32, and so do the fp16 ``convolution`` forward and GEMMs (mm, addmm, bmm) on
+a CPU without avx512_fp16 (where it has one, they are oneDNN's and fast). CUDA's kernel (cuDNN, cuBLAS)
 reads the half inputs, accumulates in fp32 and rounds its outputs to half, so under the simulation the ops
 rules/policy/kernels.toml lists in ``simulated_in_fp32`` are computed exactly so: fp32 on the half inputs, each
 output rounded once, without a note (nothing is approximated). A CPU target keeps CPU's own kernels.

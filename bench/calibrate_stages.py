@@ -10,7 +10,9 @@ Prints seconds per stage: ``bare`` (the forward+backward under the simulation), 
 replay, :func:`~ampaudit.runtime.locate.locate_nonfinite`), ``compare`` (each module against FP32,
 :func:`~ampaudit.runtime.compare.compare_to_fp32`), ``decisions``
 (:func:`~ampaudit.runtime.decision_record.measure_or_note`), and ``check`` (the whole
-``ampaudit.check(..., calibrate=True)``). Compare two checkouts by alternating runs with ``PYTHONPATH`` set to each:
+``ampaudit.check(..., calibrate=True)``, also as ``check_cpu``, this process's CPU seconds; ``--check-only`` runs
+only it, ``--findings PATH`` writes its findings to diff two checkouts'). Compare two checkouts by alternating runs
+with ``PYTHONPATH`` set to each:
 the machine's load moves absolute seconds, so only side-by-side ratios mean anything.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from coverage_tvops import import_torchvision  # noqa: E402
 
 
-def stages(name: str, size: int) -> dict[str, float]:
+def stages(name: str, size: int, findings: str | None = None, check_only: bool = False) -> dict[str, float]:
     import ampaudit
     from ampaudit.analysis.calibrate import batch_loss
     from ampaudit.policy import Policy
@@ -56,14 +58,17 @@ def stages(name: str, size: int) -> dict[str, float]:
     with target_autocast(policy, "cpu", enter_autocast=False):
         bare()                                  # warm-up: first-call costs are no stage's
     out = {}
-    for key, run in passes.items():
+    for key, run in ({} if check_only else passes).items():
         with target_autocast(policy, "cpu", enter_autocast=False):
             start = time.perf_counter()
             run()
             out[key] = round(time.perf_counter() - start, 3)
-    start = time.perf_counter()
-    ampaudit.check(model, *args, calibrate=True, **kwargs)
+    start, cpu = time.perf_counter(), time.process_time()
+    report = ampaudit.check(model, *args, calibrate=True, **kwargs)
     out["check"] = round(time.perf_counter() - start, 3)
+    out["check_cpu"] = round(time.process_time() - cpu, 3)
+    if findings:               # to compare two checkouts' verdicts: the same file, diffed
+        Path(findings).write_text(json.dumps([f.as_dict() for f in report.findings], indent=1, sort_keys=True))
     return out
 
 
@@ -84,8 +89,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", help="a torchvision.models builder name (resnet18, swin_t, ...) or FAMILY/NAME of a corpus model")
     p.add_argument("--size", type=int, default=160, help="input height and width of a torchvision name (default 160)")
+    p.add_argument("--findings", metavar="PATH", help="also write the whole check's findings (JSON) here")
+    p.add_argument("--check-only", action="store_true", help="time only the whole check, not each stage")
     args = p.parse_args(argv)
-    print(json.dumps({"model": args.model, "size": args.size, **stages(args.model, args.size)}))
+    out = stages(args.model, args.size, args.findings, args.check_only)
+    print(json.dumps({"model": args.model, "size": args.size, **out}))
     return 0
 
 

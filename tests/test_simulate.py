@@ -69,11 +69,13 @@ def test_simulation_matches_pytorch_cuda_autocast_lists(name, entry, dtype):
         if got is not None:          # `equal` returns a bool
             assert got == want, f"{op}: CUDA autocast gives {want}, the simulation {got}"
     if run_as != "entry":
-        # As test_cuda.py checks CUDA autocast: bitwise the op run without autocast on inputs cast by hand.
-        if module is not None and hasattr(module, op):
-            control = getattr(module, op)(*_cast(args, run_as), **kwargs)
-        else:
-            control = getattr(args[0].to(run_as), op)(*_cast(args[1:], run_as), **kwargs)
+        # As test_cuda.py checks CUDA autocast: bitwise the op run without autocast on inputs cast by hand, with
+        # the simulation's kernels (kernels.toml's simulated_in_fp32 ops compute in fp32 as CUDA's do).
+        with simulation(Policy.load("cuda", dtype)):
+            if module is not None and hasattr(module, op):
+                control = getattr(module, op)(*_cast(args, run_as), **kwargs)
+            else:
+                control = getattr(args[0].to(run_as), op)(*_cast(args[1:], run_as), **kwargs)
         assert _equal(outs[0], control), f"{op}: the simulation's numbers differ from the op run in {run_as}"
 
 
