@@ -92,6 +92,12 @@ def _names(module: str | None, culprits: list[str]) -> bool:
     return any(module == c or module.startswith(c + ".") or fnmatch.fnmatch(module, c) for c in culprits)
 
 
+def _alarms(summary: dict) -> list[dict]:
+    """The report's recommendations at warning or above (an info, such as massive activations in a run without
+    fp8 layers, neither names a culprit nor breaks a twin's quiet), as check's findings are counted."""
+    return [r for r in summary.get("recommendations", []) if r.get("severity", "warning") in ("warning", "error")]
+
+
 def report_names(summary: dict, culprits: list[str]) -> str | None:
     """Where the report names one of ``culprits`` (a word for the table), or None."""
     first = summary.get("first_nonfinite") or {}
@@ -100,7 +106,7 @@ def report_names(summary: dict, culprits: list[str]) -> str | None:
     top = (summary.get("divergence") or {}).get("culprits") or []
     if top and _names(top[0].get("module"), culprits):
         return "top own error"
-    for rec in summary.get("recommendations", []):
+    for rec in _alarms(summary):
         if any(_names(m, culprits) for m in rec.get("modules") or []):
             return rec["kind"]
     return None
@@ -142,8 +148,7 @@ def run_trace(path: Path, expect: dict, work: Path, twin: dict | None = None) ->
         row["runtime_error"] = (rep.stderr.strip().splitlines() or ["report failed"])[-1][:200]
         return row
     if twin is not None and training:
-        row["runtime_alarms"] = sorted({r["kind"] for r in summary.get("recommendations", [])
-                                        if r.get("kind") in TRAINING_ALARMS})
+        row["runtime_alarms"] = sorted({r["kind"] for r in _alarms(summary) if r.get("kind") in TRAINING_ALARMS})
     elif twin is not None:      # a forward fault's fixed version: the report must not point at the culprit
         named = report_names(summary, _culprits(expect))
         row["runtime_alarms"] = sorted({named} if named else set()) + (

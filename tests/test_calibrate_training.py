@@ -165,6 +165,7 @@ def _findings_of(events):
     for rule in (r for r in load_rules() if r.id.startswith("AMP8")):
         hits = list(MATCHERS.load()[rule.matcher].fn(SimpleNamespace(calibration=cal), rule))
         out[rule.id] = [(h.module, h.details) for h in hits]
+        out[f"{rule.id}_variants"] = [h.variant for h in hits]
     return out
 
 
@@ -184,8 +185,23 @@ def test_the_report_verdicts_become_one_rule_each():
     assert "qk-layernorm" in found["AMP802"][0][1]["fixes"]
     assert [m for m, _ in found["AMP803"]] == [""] and "z-loss" in found["AMP803"][0][1]["fixes"]
     assert [m for m, _ in found["AMP804"]] == ["blocks.3"] and found["AMP804"][0][1]["step"] == 9
+    assert found["AMP804_variants"] == ["no_fp8"]      # bf16 run, no fp8 layers: the info variant
     assert [m for m, _ in found["AMP801"]] == ["ema"] and found["AMP801"][0][1]["share"] == 0.9
     # a run whose signals stay under their lines gives none
     quiet = [ev("meta", version=3, dtype="bfloat16", source="train"), *steps([2.0] * 30),
              ev("precursor", 9, signal="attn_logit", module="blocks.0.attn", value=30.0, max_step=9)]
     assert all(v == [] for v in _findings_of(quiet).values())
+
+
+def test_massive_activations_with_fp8_layers_are_amp804_at_warning():
+    from ampaudit.rules.loader import load_rules
+    from trace_events import ev, steps
+
+    massive = ev("precursor", 9, signal="massive_activation", module="blocks.3", value=2500.0, absmax=800.0,
+                 median=0.32, max_step=9)
+    head = [ev("meta", version=3, dtype="bfloat16", source="train"), *steps([2.0] * 30)]
+    with_fp8 = _findings_of([*head, ev("fp8", 9, module="blocks.3.fc", input={"amax": 2.0}), massive])
+    assert [m for m, _ in with_fp8["AMP804"]] == ["blocks.3"] and with_fp8["AMP804_variants"] == [None]
+    rule = next(r for r in load_rules() if r.id == "AMP804")
+    assert rule.severity == "warning" and rule.variant("no_fp8")["severity"] == "info"
+    assert "fp8 scaling" in rule.variant("no_fp8")["message"]

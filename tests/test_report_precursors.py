@@ -72,6 +72,29 @@ def test_massive_activations_need_both_the_size_and_the_ratio():
     assert len(recs) == 1 and recs[0]["modules"] == ["blocks.3"] and "fp8" in recs[0]["message"]
 
 
+def _massive_recs(*extra, dtype="bfloat16"):
+    events = _trace(*_steps([2.0] * 5), *extra,
+                    _prec(5, "massive_activation", "blocks.3", 2500.0, absmax=800.0, median=0.32), dtype=dtype)
+    return [r for r in summarize(events)["recommendations"] if r["kind"] == "precursor"]
+
+
+def test_massive_activations_are_an_info_without_fp8_and_a_warning_with_fp8_layers():
+    # Massive activations break per-tensor fp8 scaling (Sun et al. 2024): in an fp16/bf16 run they are a note.
+    plain = _massive_recs()
+    assert [r["severity"] for r in plain] == ["info"]
+    assert "matters only for fp8 scaling" in plain[0]["message"] and "no fp8 layers" in plain[0]["message"]
+    # A run with torchao Float8Linear layers (fp8 events), an fp8 recipe's statistics, or a float8 header warns.
+    for fp8 in (ev("fp8", 5, module="fc1", input={"amax": 2.0, "scale": 224.0, "flushed_share": 0.0}),
+                ev("recipe_stats", 5, module="fc1", recipe="mxfp8", sqnr_db=30.0)):
+        recs = _massive_recs(fp8)
+        assert [r["severity"] for r in recs] == ["warning"], fp8["event"]
+        assert "no fp8 layers" not in recs[0]["message"]
+    assert [r["severity"] for r in _massive_recs(dtype="float8")] == ["warning"]
+    # the other signals warn whatever the run's dtype
+    attn = _trace(*_steps([2.0] * 5), _prec(5, "attn_logit", "attn", 300.0))
+    assert [r["severity"] for r in summarize(attn)["recommendations"] if r["kind"] == "precursor"] == ["warning"]
+
+
 def test_loss_spike_score_is_seven_sigma_above_the_rolling_mean():
     rng = random.Random(0)
     losses = [2.0 + rng.gauss(0, 0.01) for _ in range(60)]

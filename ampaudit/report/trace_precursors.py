@@ -123,9 +123,21 @@ def _threshold(signal: str, cfg: dict, limit: float) -> float:
     return limit
 
 
+def runs_fp8(data: Any) -> bool:
+    """Whether the traced run had fp8 layers or an fp8 target: ``fp8``/``fp8_budget`` events, a ``recipe_stats``
+    row of an fp8 recipe (float8_*, mxfp8), or a header whose dtype or precision names float8."""
+    if data.fp8 or data.fp8_budget:
+        return True
+    if any("fp8" in (r.get("recipe") or "") or (r.get("recipe") or "").startswith("float8") for r in data.recipes):
+        return True
+    return any(isinstance(data.meta.get(k), str) and ("float8" in data.meta[k] or "fp8" in data.meta[k])
+               for k in ("dtype", "precision"))
+
+
 def precursor_summary(data: Any) -> dict:
-    """``{"signals": [...], "spikes": {...}, "diverged_step"}``: one row per signal and module (the largest value,
-    the first step it crossed its line), the loss spikes, and the first step whose loss is not finite or spikes."""
+    """``{"signals": [...], "spikes": {...}, "diverged_step", "fp8"}``: one row per signal and module (the largest
+    value, the first step it crossed its line), the loss spikes, the first step whose loss is not finite or spikes,
+    and whether the run had fp8 layers (:func:`runs_fp8`: massive activations are a warning only then)."""
     cfg = precursor_policy()
     limit = _logit_limit(data.meta.get("dtype")) if any(r["signal"].startswith("output") for r in data.precursors) \
         else math.inf
@@ -138,10 +150,10 @@ def precursor_summary(data: Any) -> dict:
             "spikes": {"count": len(spikes), "score": len(spikes) / judged if judged else None,
                        "first": spikes[0] if spikes else None, "steps": [s["step"] for s in spikes[:50]],
                        "sigmas": cfg["loss_spike"]["sigmas"]},
-            "diverged_step": min(candidates) if candidates else None}
+            "diverged_step": min(candidates) if candidates else None, "fp8": runs_fp8(data)}
 
 
-def _message(row: dict, cfg: dict, before: int | None) -> str:
+def _message(row: dict, cfg: dict, before: int | None, fp8: bool = True) -> str:
     where = row["module"] or "the model's output"
     at = f"crossed {fmt(row['threshold'])} at step {row['crossed_step']}"
     then = f" and reached {fmt(row['max'])} at step {row['max_step']}"
@@ -158,7 +170,14 @@ def _message(row: dict, cfg: dict, before: int | None) -> str:
                 f"logits {cfg['output_logit']['max_spacing']:g} nats apart or more")
     return (f"massive activations in {where}: its |output| max over its median |x| {at}{then}{ahead}, with values "
             f"up to {fmt(row['absmax'])} (Sun et al. 2024: > {fmt(cfg['massive_activation']['min_abs'])} and ~1000x "
-            "the median; one per-tensor fp8 scale then flushes the rest)")
+            "the median; one per-tensor fp8 scale then flushes the rest)"
+            + ("" if fp8 else "; this run has no fp8 layers, so it matters only for fp8 scaling"))
+
+
+def severity(signal: str, fp8: bool) -> str:
+    """A crossed signal's severity: massive activations break per-tensor fp8 scaling (Sun et al. 2024), so they
+    warn only in a run with fp8 layers and are an info otherwise; the other signals always warn."""
+    return "info" if signal == "massive_activation" and not fp8 else "warning"
 
 
 def precursor_advice(summary: dict) -> list[dict]:
@@ -167,6 +186,7 @@ def precursor_advice(summary: dict) -> list[dict]:
     s = summary.get("precursors") or {}
     cfg = precursor_policy()
     before = s.get("diverged_step")
+    fp8 = s.get("fp8", True)        # a summary without the field (an older caller's) keeps the warning
     recs = []
     by_signal: dict[str, list[dict]] = {}
     for row in s.get("signals", []):
@@ -177,10 +197,10 @@ def precursor_advice(summary: dict) -> list[dict]:
         section = "output_logit" if family == "output" else family
         others = [r["module"] or "<output>" for r in rows[1:] if r["module"] != first["module"]]
         more = f" Also: {', '.join(others[:5])}." if others else ""
-        recs.append({"kind": "precursor", "severity": "warning", "signal": first["signal"],
+        recs.append({"kind": "precursor", "severity": severity(first["signal"], fp8), "signal": first["signal"],
                      "modules": sorted({r["module"] for r in rows}), "step": first["crossed_step"],
                      "value": first["crossed_value"], "max": first["max"],
-                     "message": f"{_message(first, cfg, before)}.{more} Fix: {'; '.join(cfg[section]['fixes'])}."})
+                     "message": f"{_message(first, cfg, before, fp8)}.{more} Fix: {'; '.join(cfg[section]['fixes'])}."})
     spike = (s.get("spikes") or {}).get("first")
     if spike:
         count = s["spikes"]["count"]

@@ -5,7 +5,7 @@ the swamping advice warns about, and the precursor signals that crossed their li
     verdicts["swamping"]      # [{"tensor", "module", "kind", "dtype", "share_rounded", "realized_ratio",
                               #   "first_step", "last_step", "why", "fix", "source", ...}], worst first
     verdicts["precursors"]    # [{"signal", "family", "module", "crossed_step", "crossed_value", "threshold",
-                              #   "max", "max_step", "fixes"}], earliest first
+                              #   "max", "max_step", "severity", "fixes"}], earliest first
     verdicts["diverged_step"], verdicts["steps"]
 
 The same functions as the report (:mod:`ampaudit.report.trace_swamping`, :mod:`ampaudit.report.trace_precursors`):
@@ -32,7 +32,8 @@ def training_verdicts(events: Iterable[dict]) -> dict[str, Any]:
     summary = {"swamping": swamping_summary(data), "precursors": precursor_summary(data)}
     advice = swamping_advice(summary)
     swamped = summary["swamping"]["tensors"] if advice is not None and advice["kind"] == "swamping" else []
-    warned = {_family(rec["signal"]) for rec in precursor_advice(summary) if rec["kind"] == "precursor"}
+    warned = {_family(rec["signal"]): rec["severity"] for rec in precursor_advice(summary)
+              if rec["kind"] == "precursor"}
     cfg = precursor_policy()
     crossed = []
     for row in summary["precursors"]["signals"]:
@@ -40,7 +41,8 @@ def training_verdicts(events: Iterable[dict]) -> dict[str, Any]:
         if row["crossed_step"] is None or family not in warned:
             continue
         section = "output_logit" if family == "output" else family
-        crossed.append({**row, "family": family, "fixes": "; ".join(cfg[section]["fixes"])})
+        crossed.append({**row, "family": family, "severity": warned[family],
+                        "fixes": "; ".join(cfg[section]["fixes"])})
     return {"swamping": swamped, "precursors": crossed, "diverged_step": summary["precursors"]["diverged_step"],
             "steps": len(data.steps)}
 

@@ -7,7 +7,8 @@
 them rounding away (in the calibration forward, or over the ``--train-steps`` steps: variant ``trained``), an
 info when the forward writes it but its update on the calibration batch was kept or not measurable (``at_risk``).
 ``trained_precursor``: per module, the precursor signal (``check``: attn_logit, output, massive_activation) that
-crossed its line during the training steps, with the step it crossed and the published fixes.
+crossed its line during the training steps, with the step it crossed and the published fixes; variant ``no_fp8``
+(an info) when the report calls it one (massive activations in a run without fp8 layers).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def _broke(row: dict, diverged: int | None) -> str:
     return f"; the loss broke at step {diverged}"
 
 
-@matcher("trained_precursor", params={"check": ("attn_logit", "output", "massive_activation")},
+@matcher("trained_precursor", params={"check": ("attn_logit", "output", "massive_activation")}, variants={"no_fp8"},
          fields={"signal", "value", "threshold", "step", "peak", "peak_step", "steps", "broke", "fixes"},
          nullable={"value", "peak_step"})
 def trained_precursor(ctx: MatchContext, rule) -> Iterator[Hit]:
@@ -107,4 +108,4 @@ def trained_precursor(ctx: MatchContext, rule) -> Iterator[Hit]:
                          "peak": row["max"] if row.get("max") is not None else row["crossed_value"],
                          "peak_step": row.get("max_step"),
                          "steps": cal.trained["steps"], "broke": _broke(row, diverged), "fixes": row["fixes"]},
-                  module=row["module"])
+                  module=row["module"], variant="no_fp8" if row.get("severity") == "info" else None)
