@@ -16,7 +16,7 @@ import ampaudit
 import ampaudit.api as api
 import ampaudit.runtime.replay_state as replay_state
 from ampaudit.analysis.amp_prop import AMP_KEY
-from ampaudit.capture.export_capture import _ASSERTS, capture_export, unlifted
+from ampaudit.capture.export_capture import _ASSERTS, capture_export, unlifted, unlifted_in_place
 from ampaudit.policy import Policy
 
 
@@ -61,11 +61,46 @@ def test_the_capture_holds_exactly_the_nodes_of_the_guarded_module_less_its_guar
 
 def test_unlifted_has_the_guarded_modules_parameters_under_their_names():
     model, x = Block(), torch.randn(2, 5, 16)
-    ep = torch.export.export(model, (x,), strict=False)
-    got, want = unlifted(ep), ep.module()
+    want = torch.export.export(model, (x,), strict=False).module()
+    got = unlifted(torch.export.export(model, (x,), strict=False))
     assert dict(got.named_parameters()).keys() == dict(want.named_parameters()).keys()
     assert dict(got.named_buffers()).keys() == dict(want.named_buffers()).keys()
     assert [n for n in _ops(got) if "guard" not in n[1]] == [n for n in _ops(want) if "guard" not in n[1]]
+
+
+class Stateful(nn.Module):
+    """What the unlifting must put back: a BatchNorm that updates its statistics in training mode (buffer
+    mutations), a non-persistent buffer, and a plain tensor attribute (a lifted constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.register_buffer("shift", torch.full((8, 1, 1), 0.25), persistent=False)
+        self.table = torch.linspace(0.0, 1.0, 8).view(8, 1, 1)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) * self.table + self.shift
+
+
+def _nodes(gm):
+    # What propagation and the rules read of each node: name, kind, target, arguments, origin meta.
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), n.meta.get("nn_module_stack"),
+             n.meta.get("stack_trace"), sorted(set(n.meta) - {"from_node"})) for n in gm.graph.nodes]
+
+
+def test_the_in_place_unlifting_gives_the_graph_and_state_of_export_module():
+    for model, x in ((Block(), torch.randn(2, 5, 16)), (Stateful().train(), torch.randn(2, 3, 8, 8)),
+                     (Stateful().eval(), torch.randn(2, 3, 8, 8)), (OwnAutocast(), torch.randn(2, 8, 16))):
+        want = torch.export.export(model, (x,), strict=False).module(check_guards=False)
+        got = unlifted_in_place(torch.export.export(model, (x,), strict=False))
+        assert _nodes(got) == [r for r in _nodes(want) if "guard" not in r[2]]
+        for named in ("named_parameters", "named_buffers"):
+            assert {k: v.shape for k, v in getattr(got, named)()} == {k: v.shape for k, v in getattr(want, named)()}
+        torch.testing.assert_close(got(x), want(x))
+        # Training mode: both moved their own running statistics the same way (the unlifted copy_ nodes ran).
+        for (name, a), (_, b) in zip(got.named_buffers(), want.named_buffers()):
+            torch.testing.assert_close(a, b, msg=name)
 
 
 def test_a_meta_capture_compiles_its_meta_graph():

@@ -180,6 +180,16 @@ def test_tables_name_every_op_autocast_registers(device):
     assert not missing, f"add to rules/policy/{device}.toml: {missing}"
 
 
+@pytest.mark.parametrize("key", ["AutocastCPU", "AutocastCUDA"])
+def test_the_ops_on_an_autocast_key_are_those_each_op_reports(key):
+    """autocast_ops asks the dispatcher once for a key's registrations: the same ops as asking each op."""
+    from ampaudit.simulate import autocast_ops
+
+    each = {name for name in torch._C._dispatch_get_all_op_names()
+            if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)}
+    assert each and autocast_ops(key) == each
+
+
 def _cpu_list_cases():
     from _autocast_lists import autocast_lists
 

@@ -10,6 +10,7 @@ capture writes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import logging
@@ -185,13 +186,51 @@ def _causes(exc: BaseException | None):
 
 
 def unlifted(ep) -> fx.GraphModule:
-    """``ep.module()`` without its input-guard submodule (``check_guards=False``, where this torch has it):
-    generating the guards' code and compiling the graph once more for their call took ``module()`` from 0.25 to
-    0.32 CPU s on a 2,125-node graph (bench/check_stages.py, qwen3_5), and :func:`capture_export` erases that
-    call anyway. A torch whose ``module()`` has no such argument makes the call; it is erased the same way."""
+    """The exported program as a module whose parameters are get_attr nodes under their original names, without
+    ``ep.module()``'s input guards (:func:`unlifted_in_place`, else ``ep.module(check_guards=False)`` where this
+    torch has that argument, else ``ep.module()``, whose guard call :func:`capture_export` erases)."""
+    gm = unlifted_in_place(ep)
+    if gm is not None:
+        return gm
     if "check_guards" in inspect.signature(type(ep).module).parameters:
         return ep.module(check_guards=False)
     return ep.module()
+
+
+def unlifted_in_place(ep) -> fx.GraphModule | None:
+    """``ep.module()``'s unlifting, by torch's own ``_unlift`` on a copy of ``ep``'s graph (the same nodes,
+    names and mutation copies), less the rest of ``module()``: that builds two more graph modules and generates
+    and compiles the code three times, 0.33 of a 1,489-node capture's 2.5 CPU s (efficientvit_m0,
+    bench/check_stages.py). Here the module is lazy (its code is generated if something calls it) and a plain
+    graph module, without the exported module's input checks. None where this torch lacks the pieces or the
+    program is not the training IR ``torch.export.export`` gives."""
+    try:
+        from torch.export._unlift import _register_attrs_to_new_gm, _unlift
+        from torch.export.graph_signature import InputKind, OutputKind
+        from torch.export.unflatten import _assign_attr, _AttrKind
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+        from torch.fx.graph_module import _has_attr
+    except ImportError:        # pragma: no cover - another torch: ep.module() does it
+        return None
+    sig = ep.graph_signature
+    if ep.verifiers[0].dialect != "TRAINING" or ep.call_spec.in_spec is None:
+        return None
+    lifted = (InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.PARAMETER, InputKind.CUSTOM_OBJ)
+    mutations = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION, OutputKind.PARAMETER_MUTATION)
+    # A copy, as module() makes: names freed by export's own passes (a constant's get_attr it lifted) are free
+    # again in it, so each node is named as module() names it.
+    gm = _LazyGraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    gm.meta.update(ep.graph_module.meta)
+    _register_attrs_to_new_gm(gm, sig, ep.state_dict, ep.constants)
+    call = ep.module_call_graph[0].signature
+    _unlift(gm, [s.target if s.kind in lifted else None for s in sig.input_specs],
+            [s.target if s.kind in mutations else None for s in sig.output_specs],
+            ep.call_spec.in_spec, ep.call_spec.out_spec, forward_arg_names=call.forward_arg_names if call else None)
+    for name, value in ep.constants.items():    # as module() keeps them: a constant needs no gradient
+        if not _has_attr(gm, name):
+            value = value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value
+            _assign_attr(value, gm, name, attr_kind=_AttrKind.CONSTANT)
+    return gm
 
 
 def data_dependent(exc: BaseException) -> bool:
