@@ -221,11 +221,15 @@ def unlifted_in_place(ep) -> fx.GraphModule | None:
     # again in it, so each node is named as module() names it.
     gm = _LazyGraphModule(ep.graph_module, copy.deepcopy(ep.graph))
     gm.meta.update(ep.graph_module.meta)
-    _register_attrs_to_new_gm(gm, sig, ep.state_dict, ep.constants)
     call = ep.module_call_graph[0].signature
-    _unlift(gm, [s.target if s.kind in lifted else None for s in sig.input_specs],
-            [s.target if s.kind in mutations else None for s in sig.output_specs],
-            ep.call_spec.in_spec, ep.call_spec.out_spec, forward_arg_names=call.forward_arg_names if call else None)
+    try:
+        _register_attrs_to_new_gm(gm, sig, ep.state_dict, ep.constants)
+        _unlift(gm, [s.target if s.kind in lifted else None for s in sig.input_specs],
+                [s.target if s.kind in mutations else None for s in sig.output_specs],
+                ep.call_spec.in_spec, ep.call_spec.out_spec,
+                forward_arg_names=call.forward_arg_names if call else None)
+    except (TypeError, AttributeError):    # private helpers whose signature another torch changed: module() does it
+        return None
     for name, value in ep.constants.items():    # as module() keeps them: a constant needs no gradient
         if not _has_attr(gm, name):
             value = value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value
