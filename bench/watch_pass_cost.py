@@ -1,13 +1,14 @@
 """What each kind of pass of ``ampaudit.watch``'s statistics costs: unsampled, sampled, and the counting pass.
 
     python bench/watch_pass_cost.py                          # samples/char_transformer.py, bf16 autocast
-    python bench/watch_pass_cost.py --steps 800 --stats-every 4
+    python bench/watch_pass_cost.py --steps 800 --stats-every 4 --precursors-every 4
 
 Copies of the model train side by side, one step each in turn (same weights, same batches): one with no hooks,
 one under ``watch(every=50)`` (the default schedule, precursors on) and one under ``watch(stats=False)`` (the
 per-pass non-finite flag alone). Each step is timed (process CPU time, one torch thread) and set against the same
 step of the loop without hooks; the median of those differences is printed per kind of pass: ``plain`` (not
-sampled: the flag only), ``sampled`` (per-module statistics: one min/max read per module output and gradient) and
+sampled: the flag only), ``precursors`` (the instability precursors alone, on the passes between sampled ones that
+``precursors_every`` picks), ``sampled`` (per-module statistics: one min/max read per module output and gradient) and
 ``counting`` (the first sampled pass of each interval: exact counts and the gradient histograms too), with each
 kind's share of an interval. ``bench/watch_overhead.py`` gives the amortized ratio of the same loops.
 """
@@ -32,10 +33,10 @@ from ampaudit.runtime.watch import watch
 from watch_overhead import batches
 
 
-def kind(step: int, every: int, stats_every: int) -> str:
+def kind(step: int, every: int, stats_every: int, precursors_every: int) -> str:
     """The kind of pass ``step`` is, with one forward per step numbered from 0 by ``set_step``."""
     if step % stats_every:
-        return "plain"
+        return "plain" if step % precursors_every else "precursors"
     return "counting" if step % every < stats_every else "sampled"
 
 
@@ -77,13 +78,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400, help="timed steps per loop")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--every", type=int, default=50)
-    ap.add_argument("--stats-every", type=int, default=8)
+    ap.add_argument("--stats-every", type=int, default=16, help="watch(stats_every=...), watch's default")
+    ap.add_argument("--precursors-every", type=int, default=8, help="watch(precursors_every=...), watch's default")
     args = ap.parse_args()
     torch.set_num_threads(1)
     loaded = load_target(args.target)
     loss_fn = loaded.hook("loss_fn")
     data = batches(loaded.hook("train_data"), args.warmup + args.steps)
-    configs = {"none": None, "stats": {"every": args.every, "stats_every": args.stats_every},
+    configs = {"none": None, "stats": {"every": args.every, "stats_every": args.stats_every,
+                                       "precursors_every": args.precursors_every},
                "flag": {"stats": False}}
     seconds = timed_side_by_side(loaded.model, loss_fn, data, configs)
     base = seconds["none"][args.warmup:]
@@ -93,11 +96,11 @@ def main() -> int:
     for name in ("stats", "flag"):
         extra: dict[str, list[float]] = {}
         for i, (s, b) in enumerate(zip(seconds[name][args.warmup:], base), start=args.warmup):
-            extra.setdefault(kind(i, args.every, args.stats_every), []).append((s - b) * 1e3)
+            extra.setdefault(kind(i, args.every, args.stats_every, args.precursors_every), []).append((s - b) * 1e3)
         ratio = sum(seconds[name][args.warmup:]) / sum(base)
         parts = []
         # The flag does the same on every pass: its steps beside a sampled one only show that step's cache misses.
-        for k in ("plain", "sampled", "counting") if name == "stats" else ("plain",):
+        for k in ("plain", "precursors", "sampled", "counting") if name == "stats" else ("plain",):
             if k in extra:
                 ms, share = statistics.median(extra[k]), len(extra[k]) / args.steps * args.every
                 parts.append(f"{k} +{ms:.2f} ms x{share:.1f}/interval = {ms * share:.0f} ms")

@@ -86,7 +86,7 @@ def test_tiny_grads_histograms_sit_below_fp16s_range_until_scaled(tmp_path):
     planted = load_planted("tiny_grads")
     scaler = torch.amp.GradScaler("cpu")
     trace = tmp_path / "run.jsonl"
-    with watch(planted.build_model(), trace=trace, every=5, scaler=scaler) as w:
+    with watch(planted.build_model(), trace=trace, every=5, stats_every=8, scaler=scaler) as w:
         _train(planted, w, 10, scaler)
     events, problems = read_trace(trace)
     assert not problems and events[0]["version"] == TRACE_VERSION >= 2   # grad_hist came with version 2

@@ -3,6 +3,7 @@ materialized softmax input), attribution to the module whose own code calls soft
 after each pass, and the watch's ``precursor`` events."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampaudit
+from ampaudit.policy import precursors as precursor_policy
 from ampaudit.runtime.precursors import is_attention_scores, logit_limit, mha_max_logit, sdpa_max_logit
 
 
@@ -193,7 +195,8 @@ def test_massive_activation_ratio_and_quiet_modules():
     assert set(massive) == {"spiky"}                          # |x| below record_abs (10) writes nothing
     y = x.clone()
     y[0, 0, 0] = 5000.0
-    median = y.abs().reshape(-1)[:: y.numel() // 4096][:4096].median().item()     # the strided sample
+    k = precursor_policy()["massive_activation"]["sample"]
+    median = y.abs().reshape(-1)[:: y.numel() // k][:k].median().item()     # the strided sample
     assert massive["spiky"]["absmax"] == 5000.0 and massive["spiky"]["value"] == pytest.approx(5000.0 / median)
 
 
@@ -237,5 +240,69 @@ def test_massive_activation_samples_outputs_as_they_were_and_batches_mixed_lengt
     for name, n, dtype in (("big", 8192, torch.float32), ("small", 100, torch.float32), ("low", 8192, torch.bfloat16)):
         y = x.to(dtype).reshape(-1)[:n].clone()
         y[0] = 5000.0
-        median = y.abs()[:: max(1, n // 4096)][:4096].float().median().item()
+        k = precursor_policy()["massive_activation"]["sample"]
+        median = y.abs()[:: max(1, n // k)][:k].float().median().item()
         assert massive[name]["median"] == median and massive[name]["absmax"] == y.abs().max().item()
+
+
+class _Scores(nn.Module):
+    """Attention scores softmaxed by a helper method, a closure and a module-level function: all its own code."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def _attend(self, s):
+        return F.softmax(s, dim=-1)
+
+    def forward(self, x):
+        s = self.proj(x).reshape(2, 1, 4, 8) @ self.proj(x).reshape(2, 1, 8, 4)
+
+        def closure():
+            return self._attend(s) + _module_level_softmax(s * 2)
+        return closure().sum(-1)
+
+
+def _module_level_softmax(s):
+    return torch.softmax(s, -1)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Scores()
+        self.head = nn.Linear(4, 40)
+
+    def forward(self, x):
+        # The child's forward called directly, without nn.Module.__call__ (no module hook would see it run).
+        return self.head(self.inner.forward(x))
+
+
+def test_a_call_is_charged_to_the_innermost_module_on_the_call_stack():
+    torch.manual_seed(0)
+    model, x = _Outer(), torch.randn(2, 4, 8)
+    with ampaudit.watch(model, every=1, stats_every=1, dtype=torch.bfloat16) as w:
+        model(x).sum().backward()
+    attn = {e["module"]: e for e in w.events if e["event"] == "precursor" and e["signal"] == "attn_logit"}
+    s = model.inner.proj(x).reshape(2, 1, 4, 8) @ model.inner.proj(x).reshape(2, 1, 8, 4)
+    assert set(attn) == {"inner"}
+    assert attn["inner"]["value"] == pytest.approx((s * 2).amax().item(), rel=1e-5)   # the larger of its two calls
+    _restored()
+
+
+def test_precursors_run_on_their_own_passes_between_the_sampled_ones(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Outer(), torch.randn(2, 4, 8)
+    trace = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, trace, every=100, stats_every=8, precursors_every=3, locate_first=False) as w:
+        for step in range(10):
+            w.set_step(step)
+            model(x).sum().backward()
+    meta, *events = [json.loads(line) for line in trace.read_text().splitlines()]
+    attn = [e for e in events if e["event"] == "precursor" and e["signal"] == "attn_logit"]
+    stats = [e for e in events if e["event"] == "stats" and e["module"] == "head" and e["phase"] == "forward"]
+    # Sampled passes 0 and 8 (statistics and precursors), precursor passes 3, 6 and 9 between them.
+    assert [e["passes"] for e in attn] == [5] and [e["passes"] for e in stats] == [2]
+    assert (meta["stats_every"], meta["precursors_every"]) == (8, 3)
+    with pytest.raises(ampaudit.AmpAuditError, match="precursors_every"):
+        ampaudit.watch(nn.Linear(2, 2), precursors_every=0)

@@ -52,6 +52,14 @@ _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empt
 _CASTS = ("_to_copy", "to", "_to_dtype", "convert_element_type")
 
 
+def describe_nonfinite(ev: dict) -> str:
+    """One line for a ``nonfinite`` event: "forward inf first produced in blocks.0 (aten.mul) at model.py:12"."""
+    where = ev["module"] or "the top module"
+    op = f" ({ev['op']})" if ev.get("op") else ""
+    src = f" at {ev['source']}" if ev.get("source") else ""
+    return f"{ev['phase']} {ev['kind']} first produced in {where}{op}{src}"
+
+
 def _nonfinite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.numel() and not _finite(t)]
 

@@ -27,7 +27,7 @@ from ampaudit.errors import AmpAuditError
 from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grad_hist import GradHistograms
-from ampaudit.runtime.locate import judge_against_fp32, judge_against_unscaled, replay
+from ampaudit.runtime.locate import describe_nonfinite, judge_against_fp32, judge_against_unscaled, replay
 from ampaudit.runtime.replay_state import capture_rng, float_tensors
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
@@ -39,13 +39,6 @@ _NO_HOOKED: tuple = (None, ())      # statistics: no tensor whose gradient hook 
 
 class NonFiniteError(AmpAuditError):
     """Raised by a watch created with ``raise_on_nonfinite=True`` when inf/NaN appears."""
-
-
-def _describe(ev: dict) -> str:
-    where = ev["module"] or "the top module"
-    op = f" ({ev['op']})" if ev.get("op") else ""
-    src = f" at {ev['source']}" if ev.get("source") else ""
-    return f"{ev['phase']} {ev['kind']} first produced in {where}{op}{src}"
 
 
 @dataclass(slots=True)
@@ -79,6 +72,7 @@ class PassHooks:
     divergence_every: int | None
     stats: bool
     stats_every: int
+    precursors_every: int
     raise_on_nonfinite: bool
     locate_first: bool
     max_replays: int
@@ -140,8 +134,9 @@ class PassHooks:
             p.sample, p.full = True, self._counts_due
             self._counts_due = False
             self._install_module_hooks()
-            if self._prec is not None:
-                self._prec.begin_pass(step)
+        # More passes than the statistics' (a quarter of their cost): a growing logit is seen soon after it crosses.
+        if self._prec is not None and (p.sample or self._passes % self.precursors_every == 0):
+            self._prec.begin_pass(step)
         dt = self.device_type
         amp = (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
         if dt == "cpu":                  # only the CPU generator matters
@@ -155,7 +150,7 @@ class PassHooks:
 
     def _install_module_hooks(self) -> None:
         # Only a sampled pass has the statistics hooks on the modules below the root: a module with a hook
-        # takes nn.Module's slow call path, which unsampled passes (7 in 8 by default) would pay for nothing.
+        # takes nn.Module's slow call path, which unsampled passes (15 in 16 by default) would pay for nothing.
         # They come off when the pass ends (_end_pass), so a recompute during its backward is seen as before.
         if not self._module_handles:
             hook = self._on_module_output
@@ -316,7 +311,7 @@ class PassHooks:
                 self._replay(proactive=not bad)
         if bad and self.raise_on_nonfinite and self._pending_error is None:
             located = [e for e in self.events if e["event"] == "nonfinite" and e["step"] == self.step]
-            what = _describe(located[0]) if located else f"inf/NaN in {', '.join(sorted({m for m, _ in bad}))}"
+            what = describe_nonfinite(located[0]) if located else f"inf/NaN in {', '.join(sorted({m for m, _ in bad}))}"
             self._pending_error = NonFiniteError(f"step {self.step}: {what}",
                                                  hint="see the nonfinite events of the trace; keep that "
                                                       "module in fp32 or use bf16")
@@ -381,7 +376,7 @@ class PassHooks:
             self._emit("nonfinite", **ev)
         faults = [ev for ev in found if not ev.get("scaled_only")]
         if faults and self.raise_on_nonfinite and self._pending_error is None:
-            self._pending_error = NonFiniteError(f"step {self.step}: {_describe(faults[0])}",
+            self._pending_error = NonFiniteError(f"step {self.step}: {describe_nonfinite(faults[0])}",
                                                  hint="keep that module in fp32 (ampaudit.keep_fp32) or use bf16")
 
     def _loss_scale_now(self) -> float | None:

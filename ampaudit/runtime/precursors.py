@@ -18,8 +18,8 @@ Signals (thresholds and citations: rules/policy/precursors.toml):
   the median |x| of a strided sample of that output.
 
 Calls are seen through recording wrappers of the softmax and attention functions, in place only during a sampled
-forward (:class:`LogitRecorder`), and attributed by a :class:`CallStack` entered with them (two global module hooks:
-the innermost running module of the model is the one whose own code made the call). What this module computes never
+forward (:class:`LogitRecorder`), and attributed by a :class:`CallStack` (the innermost module of the model on the
+Python call stack is the one whose own code made the call). What this module computes never
 changes the model's outputs, and a failure to compute a signal skips that signal (a precursor must never break the
 training step).
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 import torch
@@ -138,38 +139,35 @@ def is_attention_scores(x: Any, min_ndim: int = 4) -> bool:
 
 
 class CallStack:
-    """The innermost running module of ``root`` while entered, from two global module hooks (registering one pair
-    per pass costs less than a pair on every module); modules outside ``root`` are transparent."""
+    """The innermost running module of ``root`` at the moment :attr:`current` is read, from the Python call stack:
+    the nearest frame whose ``self`` is one of ``root``'s modules (its ``forward``, or a method or closure of it);
+    modules outside ``root`` are transparent. Nothing is registered: global module hooks would put every module
+    call of the pass on ``nn.Module``'s slow path to answer a question asked once per attention call."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, max_depth: int = 64):
         self.names = module_names(root)
-        self.stack: list[str] = []
-        self._handles: list[Any] = []
+        self.max_depth = max_depth
 
     @property
     def current(self) -> str:
-        return self.stack[-1] if self.stack else ""
-
-    def _pre(self, mod: nn.Module, args: Any) -> None:
-        self.stack.append(self.names.get(mod, self.current))
-
-    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self.stack:
-            self.stack.pop()
+        frame = sys._getframe(1)
+        for _ in range(self.max_depth):
+            if frame is None:
+                break
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self" or "self" in code.co_freevars:
+                mod = frame.f_locals.get("self")
+                name = self.names.get(mod) if isinstance(mod, nn.Module) else None
+                if name is not None:
+                    return name
+            frame = frame.f_back
+        return ""
 
     def __enter__(self) -> "CallStack":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self.stack.clear()
-        self._handles = [register_module_forward_pre_hook(self._pre),
-                         register_module_forward_hook(self._post, always_call=True)]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.stack.clear()
+        return None
 
 
 class LogitRecorder:

@@ -57,8 +57,8 @@ class EventKind:
         return {"event": self.name, "step": step, **fields}
 
 
-_META_WATCH = ("every", "divergence_every", "stats_every", "grad_divergence_every", "local_divergence_every",
-               "composite_divergence_every")
+_META_WATCH = ("every", "divergence_every", "stats_every", "precursors_every", "grad_divergence_every",
+               "local_divergence_every", "composite_divergence_every")
 _META_CALLBACK = ("integration", "precision", "max_grad_norm", "gradient_accumulation_steps")
 _META_TRAINER = ("opt_level", "accum", "world_size", "scaler", "fsdp", "compile", "clip", "lr_policy", "warnings",
                  "checkpoint_activations", "target", "argv")

@@ -13,7 +13,7 @@ models are unwrapped for naming. Events go to the JSON Lines trace (``ampaudit.r
 ``w.events``: ``stats`` per module and phase every ``every`` steps, ``grad_hist`` (log2|gradient| per module,
 :mod:`ampaudit.runtime.grad_hist`) with them, ``nonfinite`` where inf/NaN first appears, ``divergence`` every
 ``divergence_every`` steps with ``decision`` (decision ops against FP32: :mod:`ampaudit.runtime.decision_record`),
-``skip`` from :meth:`Watch.on_skipped_step`, ``precursor`` (instability precursors on the sampled passes:
+``skip`` from :meth:`Watch.on_skipped_step`, ``precursor`` (instability precursors, one pass in 8:
 attention and output logits, massive activations; :mod:`ampaudit.runtime.precursors`) with the statistics,
 and, for a model holding low-precision state (``model.half()``), ``swamping`` and ``state_overflow`` on the
 sampled steps (:mod:`ampaudit.runtime.swamping`: in-place updates that round away, and state beyond its range,
@@ -63,7 +63,7 @@ def _refuse_bad_options(model: Any, dtype: Any, max_replays: Any, **every_option
         raise UsageError(f"watch() needs an nn.Module, got {type(model).__name__}",
                          hint="pass the model (or its DDP wrapper) you train")
     for name, value in every_options.items():
-        check_every(name, value, optional=name not in ("every", "stats_every", "max_events"))
+        check_every(name, value, optional=name not in ("every", "stats_every", "precursors_every", "max_events"))
     if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 0:
         raise UsageError(f"watch(): max_replays must be an integer >= 0, got {max_replays!r}",
                          hint="0 turns the locator replays off")
@@ -80,6 +80,7 @@ class Watch(PassHooks):
     steps between FP32 shadow comparisons (None: off; needs autocast and FP32 weights). ``dtype``: the low
     precision the statistics are judged against (headroom, subnormals). ``stats_every``: per-module
     statistics on one pass in this many (1: every pass); the non-finite flag is checked on every pass.
+    ``precursors_every``: the instability precursors (below) on one pass in this many, and on every sampled pass.
     ``locate_first``: replay the first pass under the op-level locator (finds infs that never leave their
     module). ``max_replays``: locator replays in all (the first, then one per interval with inf/NaN);
     ``max_events``: origins reported per replay (forward first; later ones are mostly echoes).
@@ -88,9 +89,9 @@ class Watch(PassHooks):
     sampled pass of each interval) also count each module's output gradient by ``floor(log2|g|)`` (a ``grad_hist``
     event per module and interval). ``scaler``: the ``torch.amp.GradScaler`` of the loop, read once per such pass
     for the loss scale those gradients carry; without one, :meth:`set_loss_scale` says it (else it is unknown).
-    ``precursors``: on the sampled passes also record the largest attention logit per module (softmax and
-    scaled_dot_product_attention calls), the output logits' max and log-sum-exp, and on the counting pass each
-    module's |output| max over its median (``precursor`` events per signal, module and interval).
+    ``precursors``: on the passes ``precursors_every`` picks also record the largest attention logit per module
+    (softmax and scaled_dot_product_attention calls), the output logits' max and log-sum-exp, and on the counting
+    pass each module's |output| max over its median (``precursor`` events per signal, module and interval).
     ``swamping``: on the first step and one per ``every``, from that step's first forward to the next step's,
     re-run in FP32 each in-place write into low-precision parameters and buffers (``swamping`` and
     ``state_overflow`` events); nothing is entered for a model without low-precision state.
@@ -111,12 +112,13 @@ class Watch(PassHooks):
 
     def __init__(self, model: nn.Module, trace: str | os.PathLike | TraceWriter | IO[str] | None = None, *,
                  every: int = 50, divergence_every: int | None = None, dtype: torch.dtype = torch.float16,
-                 raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 8,
+                 raise_on_nonfinite: bool = False, stats: bool = True, stats_every: int = 16,
                  locate_first: bool = True, max_replays: int = 10, max_events: int = 4,
                  grad_divergence_every: int | None = 8, local_divergence_every: int | None = 2,
                  composite_divergence_every: int | None = 8, grad_hist: bool = True, scaler: Any = None,
-                 precursors: bool = True, swamping: bool = True):
+                 precursors: bool = True, precursors_every: int = 8, swamping: bool = True):
         _refuse_bad_options(model, dtype, max_replays, every=every, stats_every=stats_every,
+                            precursors_every=precursors_every,
                             max_events=max_events, divergence_every=divergence_every,
                             grad_divergence_every=grad_divergence_every,
                             local_divergence_every=local_divergence_every,
@@ -124,6 +126,7 @@ class Watch(PassHooks):
         # Options.
         self.model, self.root, self.dtype = model, unwrap(model), dtype
         self.every, self.divergence_every, self.stats_every = every, divergence_every, stats_every
+        self.precursors_every = precursors_every
         self.raise_on_nonfinite, self.stats = raise_on_nonfinite, stats
         self.locate_first, self.max_replays, self.max_events = locate_first, max_replays, max_events
         first = next(iter(self.root.parameters()), None)
@@ -179,6 +182,7 @@ class Watch(PassHooks):
             self._log.emit_record(trace_meta(
                 "watch", dtype=name_of(dtype), device=self.device_type, model=type(self.root).__name__,
                 every=every, divergence_every=divergence_every, stats_every=stats_every,
+                precursors_every=precursors_every if self._prec is not None else None,
                 grad_divergence_every=grad_divergence_every, local_divergence_every=local_divergence_every,
                 composite_divergence_every=composite_divergence_every))
 
