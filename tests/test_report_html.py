@@ -199,3 +199,13 @@ def test_screenshot_shows_the_plots(rendered):
     red = (px[:, :, 0] > 200) & (px[:, :, 1] < 120) & (px[:, :, 2] < 80)
     blue = (abs(px[:, :, 0] - 0x1f) < 30) & (abs(px[:, :, 1] - 0x5f) < 30) & (abs(px[:, :, 2] - 0xa8) < 30)
     assert red.sum() > 2000 and blue.sum() > 2000, (int(red.sum()), int(blue.sum()))
+
+
+def test_the_page_says_when_the_only_overflows_were_the_loss_scalers_probing():
+    probe = dict(phase="backward", module="head", op="aten.mm", source="m.py:47", kind="inf", cause="op",
+                 dtype="torch.float16", low_precision=True, fp32_too=False, scaled_only=True)
+    events = [ev("step", 1, loss=1.1, scale=65536.0, skipped=True), ev("nonfinite", 1, **probe),
+              ev("step", 2, loss=1.0, scale=32768.0, skipped=False)]
+    page = build_html(events, [])
+    assert "none recorded (1 overflow was the loss scaler&#x27;s own probing: a skipped step, as designed)" in page
+    assert "none recorded" not in build_html([ev("step", 1, loss=1.0)], [])

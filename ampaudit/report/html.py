@@ -19,7 +19,7 @@ from typing import Iterable
 from ampaudit.errors import UsageError
 from ampaudit.fileio import atomic_write_text
 from ampaudit.report.trace_data import TraceData, fmt
-from ampaudit.report.trace_summary import collect, summarize
+from ampaudit.report.trace_summary import collect, probing_note, summarize
 
 PLOTLY_HINT = "pip install 'ampaudit[report]'"
 
@@ -71,6 +71,8 @@ def _facts(s: dict) -> str:
         rows.append(("first non-finite", f"step {_e(first['step'])}: {_e(first.get('kind') or 'non-finite')} in "
                                          f"{_e(first.get('phase') or '?')} of <b>{_e(module)}</b> "
                                          f"({_e(first.get('op') or '?')}){where}"))
+    elif probing_note(s["nonfinite"].get("scaled_only", 0)):
+        rows.append(("first non-finite", "none recorded (" + _e(probing_note(s["nonfinite"]["scaled_only"])) + ")"))
     if (s.get("eval") or {}).get("count"):
         rows.append(("eval", _eval_fact(s["eval"])))
     tensors = (s.get("swamping") or {}).get("tensors") or []

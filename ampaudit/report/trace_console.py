@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ampaudit.report.trace_advice import THRESHOLDS
 from ampaudit.report.trace_data import fmt, num
+from ampaudit.report.trace_summary import probing_note
 
 SEVERITY_STYLE = {"error": ("x", "bold red"), "warning": ("!", "yellow"), "info": ("i", "cyan")}
 SHOW_SKIPPED = 12
@@ -189,16 +190,8 @@ def _render_first_nonfinite(summary: dict, c: Console) -> None:
                 + (f"; {summary['nonfinite']['count']} non-finite events in all"
                    if summary["nonfinite"]["count"] > 1 else ""))
     else:
-        c.print("  none recorded" + _probing(summary["nonfinite"].get("scaled_only", 0)))
-
-
-def _probing(overflows: int) -> str:
-    # Overflows only the loss-scaled gradient had: the dynamic scaler probing (trace v6 ``scaled_only``), not a fault.
-    if not overflows:
-        return ""
-    many = overflows != 1
-    return (f" ({overflows} overflow{'s were' if many else ' was'} the loss scaler's own probing: "
-            f"{'skipped steps' if many else 'a skipped step'}, as designed)")
+        note = probing_note(summary["nonfinite"].get("scaled_only", 0))
+        c.print("  none recorded" + (f" ({note})" if note else ""))
 
 
 def _render_recommendations(summary: dict, c: Console) -> None:

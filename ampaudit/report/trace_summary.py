@@ -320,3 +320,13 @@ def summarize_trace(path: str | os.PathLike, *, top: int = 5, findings: list[dic
     Raises :class:`~ampaudit.errors.TraceError` when the file does not exist."""
     events, problems = read_trace(path)
     return summarize(events, problems, top=top, findings=findings, trace=str(path))
+
+
+def probing_note(overflows: int) -> str:
+    """What ``overflows`` non-finite events only the loss-scaled gradient had were (trace v6 ``scaled_only``): the
+    dynamic scaler probing, not a fault; "" for none."""
+    if not overflows:
+        return ""
+    many = overflows != 1
+    return (f"{overflows} overflow{'s were' if many else ' was'} the loss scaler's own probing: "
+            f"{'skipped steps' if many else 'a skipped step'}, as designed")
