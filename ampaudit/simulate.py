@@ -36,7 +36,9 @@ backward) runs 5-300x slower than fp32, and so do the fp16 ``convolution`` forwa
 a CPU without avx512_fp16 (where it has one, they are oneDNN's and fast). CUDA's kernel (cuDNN, cuBLAS)
 reads the half inputs, accumulates in fp32 and rounds its outputs to half, so under the simulation the ops
 rules/policy/kernels.toml lists in ``simulated_in_fp32`` are computed exactly so: fp32 on the half inputs, each
-output rounded once, without a note (nothing is approximated). A CPU target keeps CPU's own kernels.
+output rounded once, without a note (nothing is approximated); the fp16 attention backward, whose CUDA kernels
+also round the probabilities to half, is computed with those kernels' steps (:mod:`ampaudit.cuda_attention`).
+A CPU target keeps CPU's own kernels.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from ampaudit import cuda_attention
 from ampaudit.dtypes import is_half, name_of
 from ampaudit.machine.kernels import kernel_gap
 from ampaudit.notes import note
@@ -194,7 +197,8 @@ class _EmulateLowKernels(TorchDispatchMode):
         if _cuda_arithmetic(func, args, kwargs):
             name = func.overloadpacket.__name__
             self.in_fp32[name] = self.in_fp32.get(name, 0) + 1
-            return _in_fp32(func, args, kwargs)
+            steps = _CUDA_STEPS.get(name)
+            return steps[1](*args, **kwargs) if steps else _in_fp32(func, args, kwargs)
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
@@ -217,12 +221,23 @@ class _EmulateLowKernels(TorchDispatchMode):
         return out
 
 
+# kernels.toml ``simulated_in_fp32`` ops whose CUDA kernel rounds intermediates to half as well (the attention
+# backward's probabilities): (whether this call is one it computes, the computation); the others: _in_fp32.
+_CUDA_STEPS: dict[str, tuple[Callable, Callable]] = {
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (cuda_attention.applies, cuda_attention.flash_backward),
+}
+
+
 def _cuda_arithmetic(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     """Whether ``func`` is one of kernels.toml's ``simulated_in_fp32`` ops and every floating tensor it is given
-    has one of its dtypes (mixed dtypes go to the real kernel, which refuses them as CUDA's does)."""
-    dtypes = kernels()["simulated_in_fp32"].get(func.overloadpacket.__name__)
+    has one of its dtypes (mixed dtypes go to the real kernel, which refuses them as CUDA's does); an op of
+    ``_CUDA_STEPS`` says itself which calls it computes."""
+    name = func.overloadpacket.__name__
+    dtypes = kernels()["simulated_in_fp32"].get(name)
     if not dtypes:
         return False
+    if name in _CUDA_STEPS:
+        return _CUDA_STEPS[name][0](args, kwargs, dtypes)
     floating = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return bool(floating) and all(name_of(d) in dtypes for d in floating)
 

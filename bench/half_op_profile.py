@@ -3,8 +3,10 @@ simulation (torch.profiler, self CPU time): which CPU half kernels are slow enou
 ``simulated_in_fp32``.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/half_op_profile.py transformers-all/regnet
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/half_op_profile.py timm/samvit_base_patch16 --depth 3
 
-Prints the two passes' seconds (and the ops the simulation computed in fp32), then the slowest ops of the
+``--depth N`` builds a timm model with its first N blocks only (``timm.create_model(name, depth=N)``, the same
+inputs): a large ViT's blocks in the proportions of the whole, at a fraction of its time. Prints the two passes' seconds (and the ops the simulation computed in fp32), then the slowest ops of the
 simulated pass beside the same op's FP32 time and call count. The backward differentiates the mean of the
 outputs, as calibration does without a loss. One process, one pass each after a warm-up: only ratios mean
 anything on a shared machine.
@@ -21,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def profile(family_name: str, top: int) -> None:
+def profile(family_name: str, top: int, depth: int | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from ampaudit.analysis.calibrate import batch_loss
@@ -34,6 +36,13 @@ def profile(family_name: str, top: int) -> None:
     family, _, name = family_name.partition("/")
     built = build({"family": family, "name": name}, "cpu")
     model, loss = built.model, batch_loss(None, None)
+    if depth is not None:
+        if family != "timm":
+            raise SystemExit("--depth is for timm models")
+        import timm
+
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False, depth=depth).eval()
 
     def run(low: bool) -> None:
         with torch.autocast("cpu", dtype=torch.float16, enabled=low):
@@ -64,8 +73,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", help="FAMILY/NAME of bench/coverage_models.py: transformers-all/regnet, ...")
     p.add_argument("--top", type=int, default=15, help="how many ops to list (default 15)")
+    p.add_argument("--depth", type=int, default=None, help="a timm model's first N blocks only")
     args = p.parse_args(argv)
-    profile(args.model, args.top)
+    profile(args.model, args.top, args.depth)
     return 0
 
 
