@@ -158,7 +158,11 @@ def run_one(spec: dict, steps: int, work: Path) -> dict:
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         return row
     row.update(count_warnings(summary))
-    row["steps"] = summary.get("steps")
+    div = summary.get("divergence") or {}
+    # What ran, so a quiet row is known to have been checked: modules with own errors, decision sites, precursors.
+    row["checked"] = {"scope": div.get("scope"), "modules": div.get("modules"),
+                      "decision_sites": (summary.get("decisions") or {}).get("sites"),
+                      "precursor_signals": len((summary.get("precursors") or {}).get("signals") or [])}
     row["culprits"] = (summary.get("divergence") or {}).get("culprits") or []
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
