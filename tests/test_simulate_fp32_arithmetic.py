@@ -107,3 +107,34 @@ def test_fp16_gemms_are_cublas_arithmetic_fp32_accumulated_and_rounded_once():
         assert sim.in_fp32.get(name, 0) >= 1, (name, sim.in_fp32)
         want = gemm(*[t.float() for t in half]).half()
         assert got.dtype == torch.float16 and torch.equal(got, want), name
+
+
+def _conv_without_data(where: str) -> tuple[torch.Tensor, dict]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w, b = (t.detach() for t in _inputs((2, 8, 10, 10), (6, 8, 3, 3), torch.float16))
+    x = x.to(memory_format=torch.channels_last)         # strides the output keeps
+    mode = FakeTensorMode() if where == "fake" else contextlib.nullcontext()
+    with mode:
+        args = [mode.from_tensor(t) for t in (x, w, b)] if where == "fake" else [t.to("meta") for t in (x, w, b)]
+        with target_autocast(Policy.load("cuda", "float16"), "cpu") as sim:
+            out = F.conv2d(*args)
+    return out, sim.in_fp32
+
+
+@pytest.mark.parametrize("where", ["fake", "meta"])
+def test_tensors_without_data_run_the_op_itself_with_the_same_dtype_shape_and_strides(monkeypatch, where):
+    """An export traces on fake tensors (a meta-built model on meta ones): there the fp32 copies of the CUDA
+    arithmetic would compute nothing anyone reads, so the op runs as it is; what the trace sees is the same."""
+    import ampaudit.simulate as simulate
+
+    with monkeypatch.context() as m:
+        m.setattr(simulate, "_without_data", lambda tree: False)        # the fp32 path, as on real tensors
+        before, _ = _conv_without_data(where)
+    calls = []
+    real_in_fp32 = simulate._in_fp32
+    monkeypatch.setattr(simulate, "_in_fp32", lambda *a: calls.append(a) or real_in_fp32(*a))
+    out, in_fp32 = _conv_without_data(where)
+    assert not calls and in_fp32.get("convolution") == 1               # counted as before, not computed
+    assert (out.dtype, out.shape, out.stride()) == (before.dtype, before.shape, before.stride())
+    assert out.dtype == torch.float16 and before.device == out.device
