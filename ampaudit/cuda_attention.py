@@ -18,8 +18,8 @@ kernel it replaces.
 
 The scores are computed a block of queries at a time (:data:`BLOCK_BYTES` of them), so the L x S matrices of a
 long sequence never exist whole and the steps between the GEMMs stay in cache: 0.8 CPU s for 12 heads x 2304
-tokens x 64 on one thread, where CPU's fp16 kernel takes 7 s and its fp32 one 0.66 s. Dropout (a random mask this cannot replay) and a boolean mask go
-to the real kernel: :func:`applies` says which calls this computes.
+tokens x 64 on one thread, where CPU's fp16 kernel takes 7 s and its fp32 one 0.66 s. Dropout (a random mask this
+cannot replay) and a boolean mask go to the real kernel: :func:`applies` says which calls this computes.
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def applies(args: tuple, kwargs: dict, dtypes: frozenset[str]) -> bool:
     grad_out, q, k, v, _ = tensors
     return (len({t.dtype for t in tensors}) == 1 and name_of(q.dtype) in dtypes and not dropout_p
             and (mask is None or mask.is_floating_point())
-            and k.shape[:2] == q.shape[:2] and v.shape[:2] == q.shape[:2] and grad_out.shape == q.shape[:3] + v.shape[3:])
+            and k.shape[:2] == q.shape[:2] and v.shape[:2] == q.shape[:2]
+            and grad_out.shape == q.shape[:3] + v.shape[3:])
 
 
 def flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
