@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ampaudit.policy import settings, unit_roundoff
-from ampaudit.runtime.attribution import crosses, culprits, fed_nonfinite, first_crossing, peer_median
+from ampaudit.runtime.attribution import (crosses, culprits, fed_nonfinite, first_crossing, peer_median,
+                                          zero_reference)
 
 U = unit_roundoff(torch.bfloat16)
 
@@ -102,3 +103,42 @@ def test_a_non_finite_own_error_is_rounding_s_when_rounding_already_lost_everyth
     assert "after" in {c.module for c in culprits({**own, "after": math.inf}, torch.float16, rounding=rounding)}
     assert fed_nonfinite({"local_input_rel_l2": math.inf}) and not fed_nonfinite({"local_input_rel_l2": 0.5})
     assert not fed_nonfinite({"output_rel_l2": math.inf})
+
+
+def test_an_all_zero_fp32_answer_is_no_reference_not_an_inf():
+    # timm's csatv2 has LayerNorm(1) modules: FP32 gives exactly 0, bf16 a finite residue (1.2e-4), and the
+    # relative L2 divides by the zero reference: inf, which read as "turns finite inputs into inf/NaN".
+    assert zero_reference({"rel_l2": math.inf, "max_abs": 1.2e-4})
+    assert zero_reference({"local_rel_l2": math.inf, "local_max_abs": 1.2e-4, "rel_l2": 0.1})
+    assert not zero_reference({"rel_l2": math.inf, "max_abs": math.inf})      # an output that is itself inf
+    assert not zero_reference({"rel_l2": math.nan, "max_abs": math.nan})
+    assert not zero_reference({"rel_l2": 0.5, "max_abs": 1.0})
+
+
+class _OneFeatureNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = torch.nn.Linear(16, 16), torch.nn.LayerNorm(1), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(h + self.norm(h.unsqueeze(-1)).squeeze(-1))
+
+
+def test_a_one_feature_layernorm_is_named_by_neither_path():
+    import ampaudit
+    from ampaudit.report.trace_summary import collect, summarize
+
+    torch.manual_seed(0)
+    model, x = _OneFeatureNorm(), torch.randn(8, 16)
+    with ampaudit.watch(model, every=1, divergence_every=1, dtype=torch.bfloat16, locate_first=False) as w:
+        for step in range(2):
+            w.set_step(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().mean().backward()
+    own = [e for e in w.events if e["event"] == "divergence" and e["scope"] == "local" and e["module"] == "norm"]
+    assert own and own[0]["rel_l2"] == math.inf and math.isfinite(own[0]["max_abs"])   # a zero reference
+    assert [r for r in summarize(collect(w.events), [])["recommendations"] if "norm" in r.get("modules", [])] == []
+    report = ampaudit.check(_OneFeatureNorm(), x, device="cpu", dtype="bfloat16", calibrate=True)
+    assert not [f for f in report.findings if f.module == "norm" and f.severity in ("warning", "error")]

@@ -51,13 +51,14 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
     """The flagged modules of the ranked scope (:func:`ampaudit.runtime.attribution.culprits` on each module's
     worst value): the verdict ``check --calibrate`` gives. Own errors (scope "local") are judged on their own;
     other scopes accumulate from the input on and are judged as inherited (a module below explains its parents)."""
-    from ampaudit.runtime.attribution import culprits, fed_nonfinite, rounding_around
+    from ampaudit.runtime.attribution import culprits, fed_nonfinite, rounding_around, zero_reference
 
     if scope is None:
         return []
     worst = {r["module"]: r["max_rel_l2"] for r in tables.get(scope, [])}
     rounding: dict[str, float] = {}
-    # module -> whether every non-finite own error it had came on inputs already inf in the dtype
+    # module -> whether every non-finite own error it had came on inputs already inf in the dtype, or on an
+    # all-zero FP32 answer
     fed: dict[str, bool] = {}
     for d in data.divergence:
         if d["scope"] != scope:
@@ -67,7 +68,7 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
             rounding[d["module"]] = max(lost, rounding.get(d["module"], 0.0))
         value = d.get("rel_l2")
         if value is not None and not math.isfinite(value):
-            fed[d["module"]] = fed.get(d["module"], True) and fed_nonfinite(d)
+            fed[d["module"]] = fed.get(d["module"], True) and (fed_nonfinite(d) or zero_reference(d))
     return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding,
                     fed_inf=[m for m, all_fed in fed.items() if all_fed])
 

@@ -28,7 +28,8 @@ fp16), which AMP503 reports where they are produced. Cancellation is still caugh
 inputs does not explain a difference that comes out 30% wrong. A non-finite own error is not the module's code
 either when rounding alone already lost everything around it: its inputs were inf in the dtype before it ran
 (``fed_inf``: an overflow upstream, reported where it happens: AMP501, and AMP601/AMP701 at the module that
-makes it; every module after it reads NaN against FP32), or at least ``rounding_total`` (a relative L2 of 1: the
+makes it; every module after it reads NaN against FP32; the callers also pass the modules whose FP32 answer is all
+zero, :func:`zero_reference`), or at least ``rounding_total`` (a relative L2 of 1: the
 whole tensor) was lost, where its exact answer or its inputs flush to zero (AMP503) and the relative error
 divides by a reference that is zero in the dtype. An exact answer that is itself non-finite excuses nothing.
 
@@ -174,6 +175,16 @@ def fed_nonfinite(row: Mapping) -> bool:
     to their real dtypes (``input_rel_l2`` of a local divergence row, ``local_`` in calibration's, non-finite)."""
     lost = row.get("input_rel_l2", row.get("local_input_rel_l2"))
     return lost is not None and not math.isfinite(lost)
+
+
+def zero_reference(row: Mapping) -> bool:
+    """Whether a module's own error is inf only because its FP32 answer is all zero: the relative L2 divides by a
+    zero reference while the low-precision output differs from it by a finite amount (``max_abs`` of a local
+    divergence row, ``local_`` in calibration's). A LayerNorm over one feature gives exactly 0 in FP32 and a
+    residue of rounding in bf16: no reference to be relative to, not an inf/NaN its code makes."""
+    own = row.get("local_rel_l2", row.get("rel_l2"))
+    diff = row.get("local_max_abs", row.get("max_abs"))
+    return own == math.inf and diff is not None and math.isfinite(diff)
 
 
 def crosses(culprit: Culprit, value: float | None) -> bool:
