@@ -51,7 +51,7 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
     """The flagged modules of the ranked scope (:func:`ampaudit.runtime.attribution.culprits` on each module's
     worst value): the verdict ``check --calibrate`` gives. Own errors (scope "local") are judged on their own;
     other scopes accumulate from the input on and are judged as inherited (a module below explains its parents)."""
-    from ampaudit.runtime.attribution import culprits, fed_nonfinite, rounding_around, zero_reference
+    from ampaudit.runtime.attribution import culprits, excused_nonfinite, rounding_around
 
     if scope is None:
         return []
@@ -68,7 +68,7 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
             rounding[d["module"]] = max(lost, rounding.get(d["module"], 0.0))
         value = d.get("rel_l2")
         if value is not None and not math.isfinite(value):
-            fed[d["module"]] = fed.get(d["module"], True) and (fed_nonfinite(d) or zero_reference(d))
+            fed[d["module"]] = fed.get(d["module"], True) and excused_nonfinite(d)
     return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding,
                     fed_inf=[m for m, all_fed in fed.items() if all_fed])
 

@@ -28,8 +28,8 @@ fp16), which AMP503 reports where they are produced. Cancellation is still caugh
 inputs does not explain a difference that comes out 30% wrong. A non-finite own error is not the module's code
 either when rounding alone already lost everything around it: its inputs were inf in the dtype before it ran
 (``fed_inf``: an overflow upstream, reported where it happens: AMP501, and AMP601/AMP701 at the module that
-makes it; every module after it reads NaN against FP32; the callers also pass the modules whose FP32 answer is all
-zero, :func:`zero_reference`), or at least ``rounding_total`` (a relative L2 of 1: the
+makes it; every module after it reads NaN against FP32; :func:`excused_nonfinite` adds the modules whose FP32
+answer is all zero), or at least ``rounding_total`` (a relative L2 of 1: the
 whole tensor) was lost, where its exact answer or its inputs flush to zero (AMP503) and the relative error
 divides by a reference that is zero in the dtype. An exact answer that is itself non-finite excuses nothing.
 
@@ -185,6 +185,13 @@ def zero_reference(row: Mapping) -> bool:
     own = row.get("local_rel_l2", row.get("rel_l2"))
     diff = row.get("local_max_abs", row.get("max_abs"))
     return own == math.inf and diff is not None and math.isfinite(diff)
+
+
+def excused_nonfinite(row: Mapping) -> bool:
+    """Whether a non-finite own error in ``row`` is not the module's code: its inputs were already inf in the dtype
+    (:func:`fed_nonfinite`) or its FP32 answer is all zero (:func:`zero_reference`). The modules ``culprits`` takes
+    as ``fed_inf``, in ``check --calibrate`` and the report alike."""
+    return fed_nonfinite(row) or zero_reference(row)
 
 
 def crosses(culprit: Culprit, value: float | None) -> bool:

@@ -139,7 +139,7 @@ def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Modules whose own error is beyond what the dtype's rounding explains, or an outlier among the model's own
     errors (:mod:`ampaudit.runtime.attribution`, the same verdict ``ampaudit report`` gives), worst first: the
     first is the culprit of a fault that stays finite. ``jump`` notes the first culprit in execution order."""
-    from ampaudit.runtime.attribution import culprits, fed_nonfinite, rounding_around, zero_reference
+    from ampaudit.runtime.attribution import culprits, excused_nonfinite, rounding_around
 
     cal = ctx.calibration
     if cal is None:
@@ -147,7 +147,7 @@ def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
     own, inherited = own_errors(cal)
     found = culprits(own, cal.policy.low, inherited=inherited,
                      rounding={n: rounding_around(cal.modules[n]) for n in cal.order},
-                     fed_inf=[n for n in cal.order if fed_nonfinite(cal.modules[n]) or zero_reference(cal.modules[n])])
+                     fed_inf=[n for n in cal.order if excused_nonfinite(cal.modules[n])])
     jump = first_jump(cal, found)
     for c in found:
         row = cal.modules[c.module]
