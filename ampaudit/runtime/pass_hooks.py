@@ -311,7 +311,8 @@ class PassHooks:
                 self._replay(proactive=not bad)
         if bad and self.raise_on_nonfinite and self._pending_error is None:
             located = [e for e in self.events if e["event"] == "nonfinite" and e["step"] == self.step]
-            what = describe_nonfinite(located[0]) if located else f"inf/NaN in {', '.join(sorted({m for m, _ in bad}))}"
+            what = (describe_nonfinite(located[0]) if located
+                    else f"inf/NaN in {', '.join(sorted({m for m, _ in bad}))}")
             self._pending_error = NonFiniteError(f"step {self.step}: {what}",
                                                  hint="see the nonfinite events of the trace; keep that "
                                                       "module in fp32 or use bf16")

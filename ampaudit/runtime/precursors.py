@@ -163,12 +163,6 @@ class CallStack:
             frame = frame.f_back
         return ""
 
-    def __enter__(self) -> "CallStack":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
 
 class LogitRecorder:
     """While entered, records the largest pre-softmax logit of each attention call, keyed by the module
@@ -270,7 +264,6 @@ class PrecursorMeter:
         """Start recording attention calls (the root's forward of ``step`` is about to run)."""
         self.abort()
         self._step = step
-        self._stack.__enter__()
         self._recorder = self._idle
         self._recorder.__enter__()
 
@@ -279,7 +272,6 @@ class PrecursorMeter:
         if self._recorder is not None:
             rec, self._recorder = self._recorder, None
             rec.__exit__(None, None, None)
-            self._stack.__exit__()
 
     def end_forward(self, outputs: list[torch.Tensor],
                     extremes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
