@@ -45,22 +45,11 @@ _BY_REC = {"broken": "nonfinite", "nonfinite_unlocated": "nonfinite", "decision"
 LR = 1e-4
 
 
-def float_leaves(out) -> list:
-    """The floating tensors of a model's output (tensors, tuples, lists, dicts, HF ModelOutputs), in order."""
-    import torch
-
-    if torch.is_tensor(out):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in float_leaves(v)]
-    if isinstance(out, (tuple, list)):
-        return [t for v in out for t in float_leaves(v)]
-    return []
-
-
 def loss_of(out):
     """bench/both_paths.py's loss for a model without one: the sum of the means of its float outputs, in FP32."""
-    leaves = [t for t in float_leaves(out) if t.requires_grad]
+    from ampaudit.runtime.replay_state import float_tensors
+
+    leaves = [t for t in float_tensors(out) if t.requires_grad]
     if not leaves:
         raise ValueError("the model's output has no floating tensor that requires grad")
     return sum(t.float().mean() for t in leaves)

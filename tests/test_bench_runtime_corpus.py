@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import runtime_corpus as rc  # noqa: E402
 from ampaudit.report.trace_summary import summarize_trace  # noqa: E402
+from ampaudit.runtime.replay_state import float_tensors  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -76,4 +77,4 @@ def test_loss_is_the_mean_of_the_float_outputs_that_need_grad():
     w = torch.ones(3, requires_grad=True)
     out = {"a": w * 2, "b": (w * 4, torch.arange(3)), "c": None}
     assert rc.loss_of(out).item() == 6.0
-    assert len(rc.float_leaves(out)) == 2
+    assert len(float_tensors(out)) == 2                      # the watch's own reading of outputs
