@@ -3,6 +3,7 @@
     python bench/accuracy.py --planted-only                      # every planted model, static and --calibrate
     .venv-bench/bin/python bench/accuracy.py --workers 2 --json acc.json      # + the 280-model corpus
     .venv-bench/bin/python bench/accuracy.py --families timm --limit 20 --workers 2   # a smoke run
+    .venv-bench/bin/python bench/accuracy.py --corpus-only --calibrate --json acc.json --resume   # go on after a stop
 
 Corpus (bench/coverage.py's lists: real torchvision, timm and transformers models that train fine under AMP
 every day, random weights, their own example inputs), under the default target (cuda, float16): the
@@ -93,24 +94,43 @@ def run_corpus(args) -> dict:
     from coverage import select
     from coverage_runner import run_all
 
+    from coverage import write_json
+
     specs = select(args)
     stages = ("eager", "audit") + (("calibrate",) if args.calibrate else ())
-    done = []
+    done = _resumed(args, specs, stages)
+    kept = {(r["family"], r["model"]) for r in done}
+    specs = [s for s in specs if (s["family"], s["name"]) not in kept]
+    total = len(specs) + len(done)
 
     def on_row(row):
         done.append(row)
+        if args.json is not None:   # rows so far: a run stopped halfway keeps them, and --resume goes on from them
+            write_json(args.json, {"argv": sys.argv[1:], "partial": True, "corpus": {"rows": done}})
         if not args.quiet:
             d = row.get("detail") or {}
             marks = ", ".join(f"{s}: {precision_alarms(d[s])} alarm(s), {d[s]['lines']} lines" for s in d)
             err = "; ".join(f"{k}: {v[:100]}" for k, v in row["errors"].items())
-            print(f"[{len(done)}/{len(specs)}] {row['family']}/{row['model']}: {marks or '-'}"
+            print(f"[{len(done)}/{total}] {row['family']}/{row['model']}: {marks or '-'}"
                   + (f"  ({err})" if err else ""), flush=True)
 
-    rows = run_all(specs, workers=args.workers, timeout=args.timeout, on_row=on_row, stages=stages)
+    run_all(specs, workers=args.workers, timeout=args.timeout, on_row=on_row, stages=stages) if specs else None
+    rows = list(done)
     out = {"rows": rows, "audit": corpus_summary(rows, "audit")}
     if args.calibrate:
         out["calibrate"] = corpus_summary(rows, "calibrate")
     return out
+
+
+def _resumed(args, specs: list[dict], stages: tuple[str, ...]) -> list[dict]:
+    """With ``--resume``, the rows of ``--json``'s earlier (maybe partial) run that are in this selection and ran
+    every stage asked for, so a long run stopped halfway goes on where it was."""
+    if not args.resume or args.json is None or not args.json.exists():
+        return []
+    wanted = {(s["family"], s["name"]) for s in specs}
+    rows = json.loads(args.json.read_text()).get("corpus", {}).get("rows", [])
+    return [r for r in rows if (r["family"], r["model"]) in wanted
+            and all(st == "eager" or st in (r.get("detail") or {}) or st in r.get("errors", {}) for st in stages)]
 
 
 # -- planted -----------------------------------------------------------------------------------------------------
@@ -200,6 +220,7 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--resume", action="store_true", help="keep --json's rows from an earlier run; run the rest")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
