@@ -69,7 +69,13 @@ def render_report(report: Report, console: Console, *, show_why: bool = False) -
 
 
 def _where(loc: dict) -> str:
-    # A user's file by its last two parts (the project is known); a library's in full below site-packages, marked.
+    # A user's file by its last two parts (the project is known); a library's by its package and file name, marked
+    # (torchvision/.../faster_rcnn.py:370 (library)): the full path below site-packages (in JSON and SARIF) made the
+    # column so wide that every message beside it wrapped once more.
+    if loc and loc.get("library"):
+        parts = str(loc["file"]).replace("\\", "/").split("/")
+        short = "/".join(parts) if len(parts) <= 2 else f"{parts[0]}/.../{parts[-1]}"
+        return location_text({**loc, "file": short})
     return location_text(loc, _short)
 
 
