@@ -3,8 +3,10 @@ forward+backward of the same batch (random init, batch 2, cuda float16 simulated
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/calibrate_stages.py swin_t --size 160
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/calibrate_stages.py transformers-all/regnet
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv-bench/bin/python bench/calibrate_stages.py timm:samvit_base_patch16 --size 256
 
-A ``FAMILY/NAME`` of bench/coverage_models.py runs that corpus model on its own example inputs instead.
+A ``FAMILY/NAME`` of bench/coverage_models.py runs that corpus model on its own example inputs instead; ``timm:NAME``
+a timm model built for ``--size`` (batch 1).
 
 Prints seconds per stage: ``bare`` (the forward+backward under the simulation), ``locate`` (the inf/NaN locator's
 replay, :func:`~ampaudit.runtime.locate.locate_nonfinite`), ``compare`` (each module against FP32,
@@ -82,6 +84,11 @@ def _model(name: str, size: int) -> tuple[torch.nn.Module, tuple, dict]:
         return built.model, tuple(built.args), dict(built.kwargs)
     tv = import_torchvision()[0]
     torch.manual_seed(0)
+    if name.startswith("timm:"):    # a timm model at another image size (a large ViT's cost at a fraction of it)
+        import timm
+
+        model = timm.create_model(name[5:], pretrained=False, img_size=size)
+        return model.eval(), (torch.randn(1, 3, size, size),), {}
     return getattr(tv.models, name)().eval(), (torch.randn(2, 3, size, size),), {}
 
 
