@@ -47,7 +47,8 @@ TRAINING_STEPS = 34     # training faults, both paths: attn_logit_growth crosses
 TWINS = (("ema_teacher_fp32", {}), ("attn_logit_growth", {"entry": "build_qknorm_model"}),
          ("attn_logit_growth", {"lr": 0.02}), ("t5_ff_wo_fp16", {"entry": "build_fixed_model"}),
          ("rmsnorm_square_fp16", {"entry": "build_fixed_model"}),
-         ("attention_pool_exp_fp16", {"entry": "build_fixed_model"}))
+         ("attention_pool_exp_fp16", {"entry": "build_fixed_model"}),
+         ("vq_codebook_bf16", {"entry": "build_fixed_model"}))
 TRAINING_ALARMS = ("swamping", "preflight", "precursor")
 HALF_MODEL = "half model (O2)"      # EXPECT["fails_in"] of a fault only the half model shows
 WATCH_STEPS = 3
