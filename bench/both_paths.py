@@ -52,7 +52,8 @@ TWINS = (("ema_teacher_fp32", {}), ("attn_logit_growth", {"entry": "build_qknorm
          ("rmsnorm_square_fp16", {"entry": "build_fixed_model"}),
          ("attention_pool_exp_fp16", {"entry": "build_fixed_model"}),
          ("vq_codebook_bf16", {"entry": "build_fixed_model"}),
-         ("pure_bf16_adamw", {"entry": "build_fixed_model"}))
+         ("pure_bf16_adamw", {"entry": "build_fixed_model"}),
+         ("gated_recurrence_bf16", {"entry": "build_fixed_model"}))
 TRAINING_ALARMS = ("swamping", "preflight", "precursor")
 HALF_MODEL = "half model (O2)"      # EXPECT["fails_in"] of a fault only the half model shows
 USER_LOOP = "user loop"             # EXPECT["fails_in"] of weights stored in fp16/bf16, which ampaudit train refuses
