@@ -68,6 +68,8 @@ def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     the built-in Trainer (``train_data`` factory, ``loss_fn``, ``optimizer`` / ``scheduler`` factories and
     ``lr`` as ``ampaudit train`` takes them; without ``train_data``, the example inputs repeated and the mean of
     the outputs as the loss), in memory, and reports what its trace's report would warn about (AMP801-AMP804).
+    A model that stores trainable fp16/bf16 weights at O1 (which the Trainer refuses: no FP32 master) trains
+    as a plain loop steps them instead, the same meters watching (:mod:`ampaudit.train.probe_loop`).
     """
     return audit(model, *args, device=device, dtype=dtype, select=select, ignore=ignore, rules_dirs=rules_dirs,
                  target=target, base_dir=base_dir, capture_mode=capture_mode, calibrate=calibrate,

@@ -15,7 +15,10 @@ For each planted model (../shared/planted and tests/planted, the module named in
   loses its updates, logits that grow) run their ``EXPECT`` options (``opt_level``) for 34 steps; the others 2.
   A fault of the half model (``"fails_in": "half model (O2)"``: a BatchNorm buffer past fp16's range), which
   ``ampaudit train`` cannot show (its O2 keeps BatchNorm fp32), runs instead as a user's loop would:
-  ``model.half()`` under ``ampaudit.watch`` for ``WATCH_STEPS`` steps of the file's train_data/loss_fn.
+  ``model.half()`` under ``ampaudit.watch`` for ``WATCH_STEPS`` steps of the file's train_data/loss_fn. Weights the
+  file stores in bf16 with no FP32 master (``"fails_in": "user loop"``: pure-bf16 training), which ``ampaudit train``
+  refuses at O1 and masters at O2, run as the user's loop steps them: the file's optimizer under autocast, watched,
+  for 34 steps (the healthy twin, float32 weights, through ``ampaudit train`` as usual).
 
 The healthy twins (``ema_teacher_fp32``, ``attn_logit_growth`` with ``--entry build_qknorm_model`` and with ``--lr
 0.02``; a forward fault's fixed version, its file's ``build_fixed_model``) run both paths too: a training twin must
@@ -47,9 +50,13 @@ TRAINING_STEPS = 34     # training faults, both paths: attn_logit_growth crosses
 TWINS = (("ema_teacher_fp32", {}), ("attn_logit_growth", {"entry": "build_qknorm_model"}),
          ("attn_logit_growth", {"lr": 0.02}), ("t5_ff_wo_fp16", {"entry": "build_fixed_model"}),
          ("rmsnorm_square_fp16", {"entry": "build_fixed_model"}),
-         ("attention_pool_exp_fp16", {"entry": "build_fixed_model"}))
+         ("attention_pool_exp_fp16", {"entry": "build_fixed_model"}),
+         ("vq_codebook_bf16", {"entry": "build_fixed_model"}),
+         ("pure_bf16_adamw", {"entry": "build_fixed_model"}),
+         ("gated_recurrence_bf16", {"entry": "build_fixed_model"}))
 TRAINING_ALARMS = ("swamping", "preflight", "precursor")
 HALF_MODEL = "half model (O2)"      # EXPECT["fails_in"] of a fault only the half model shows
+USER_LOOP = "user loop"             # EXPECT["fails_in"] of weights stored in fp16/bf16, which ampaudit train refuses
 WATCH_STEPS = 3
 
 # A user's loop on the half model: the file's train_data and loss_fn, SGD, every step sampled.
@@ -64,6 +71,20 @@ with ampaudit.watch(model, sys.argv[2], every=1) as w:
     for inputs, target in itertools.islice(m["train_data"](), int(sys.argv[3])):
         inputs = tree_map(half, inputs if isinstance(inputs, (tuple, list, dict)) else (inputs,))
         out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        m["loss_fn"](out, target).backward()
+        opt.step(); opt.zero_grad()
+'''
+
+# A user's loop on the model as the file stores it (bf16 weights, no FP32 master): its optimizer, autocast.
+_USER_LOOP = '''import itertools, runpy, sys, torch
+import ampaudit
+m = runpy.run_path(sys.argv[1])
+model = m["build_model"]().train()
+opt = m["make_optimizer"](model.parameters())
+with ampaudit.watch(model, sys.argv[2], every=1) as w:
+    for inputs, target in itertools.islice(m["train_data"](), int(sys.argv[3])):
+        with torch.autocast("cpu", dtype=getattr(torch, sys.argv[4])):
+            out = model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
         m["loss_fn"](out, target).backward()
         opt.step(); opt.zero_grad()
 '''
@@ -134,6 +155,8 @@ def run_trace(path: Path, expect: dict, work: Path, twin: dict | None = None) ->
             cmd += [f"--{key}", str(twin[key])]
     if expect.get("fails_in") == HALF_MODEL:
         cmd = [sys.executable, "-c", _WATCH_LOOP, str(model_file), str(trace), str(WATCH_STEPS)]
+    elif expect.get("fails_in") == USER_LOOP and twin is None:
+        cmd = [sys.executable, "-c", _USER_LOOP, str(model_file), str(trace), str(TRAINING_STEPS), target["dtype"]]
     env = {**os.environ, "COLUMNS": "200"}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     row = {"train_rc": run.returncode}

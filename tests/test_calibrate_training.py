@@ -90,6 +90,24 @@ def test_running_buffers_far_into_a_run_round_away_in_one_forward():
     assert _found(_check(m, model), "AMP801") == []
 
 
+def test_pure_bf16_weights_lose_their_updates_as_the_users_loop_steps_them(tmp_path, monkeypatch):
+    """A model stored in bf16 trains as its own loop steps it (the built-in trainer refuses it at O1): AdamW's
+    updates at lr 2e-5 round away in the weights, named per parameter; the float32 twin is quiet."""
+    monkeypatch.chdir(tmp_path)
+    m = planted("pure_bf16_adamw")
+    model = m.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = _check(m, model, train_steps=4)
+    found = _found(report, "AMP801")
+    assert {f.message.split(" ", 1)[0] for f in found} == set(m.EXPECT["tensors"]), report.findings
+    assert all(f.module.startswith("body.") and "bfloat16 at O1, no FP32 master" in f.message for f in found)
+    assert all("lr*grad" in f.why for f in found)
+    assert any("as a plain loop steps its bfloat16 weights" in n for n in report.notes)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and list(tmp_path.iterdir()) == []
+    fixed = _check(m, m.build_fixed_model(), train_steps=4)
+    assert [f for f in fixed.findings if f.rule.startswith("AMP8")] == []
+
+
 @pytest.mark.slow
 def test_running_mean_buffer_loses_its_updates_over_training_steps():
     report = _check(planted("running_mean_buffer"), opt_level="O2", train_steps=16)

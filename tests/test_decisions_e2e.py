@@ -29,7 +29,7 @@ def _cli(*args: str):
 
 
 def test_there_is_a_planted_model_per_decision_kind():
-    assert {load_module(p).EXPECT["decisions"]["op"] for p in DECISION_MODELS} >= {"topk", "round", "gt"}
+    assert {load_module(p).EXPECT["decisions"]["op"] for p in DECISION_MODELS} >= {"topk", "round", "gt", "argmin"}
 
 
 @pytest.mark.parametrize("path", DECISION_MODELS, ids=lambda p: p.stem)

@@ -36,7 +36,7 @@ def check(
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model in FP32 and under the target's autocast and report measured range, non-finite and divergence findings.")] = False,
     calibrate_batches: Annotated[int, typer.Option(help="With --calibrate: use this many batches of train_data() [default: its first batch when the file has train_data() and loss_fn, else example_inputs()].")] = 0,
     opt_level: Annotated[str, typer.Option(help="With --calibrate: how the run stores the model, as ampaudit train --opt-level: O1 (fp32 weights + autocast) or O2 (fp16/bf16 weights, FP32 masters of the trainable ones; state it updates in place is measured in that storage).")] = "O1",
-    train_steps: Annotated[int, typer.Option(help="With --calibrate: also train a copy N steps in memory with the built-in Trainer (train_data/loss_fn/make_optimizer of the model file) and report swamping and precursor warnings [0: none].")] = 0,
+    train_steps: Annotated[int, typer.Option(help="With --calibrate: also train a copy N steps in memory with the built-in Trainer (train_data/loss_fn/make_optimizer of the model file; weights stored in fp16/bf16 at O1: as a plain loop steps them) and report swamping and precursor warnings [0: none].")] = 0,
     lr: Annotated[Optional[float], typer.Option(help="With --train-steps: the learning rate (overrides make_optimizer's).")] = None,
     batch: Annotated[Optional[int], typer.Option(help="The per-rank micro-batch the model will be trained with: BatchNorm below rules/policy/settings.toml's min_micro_batch is a finding (AMP304).")] = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds (a forward that hangs) [0: no limit].")] = 600.0,
