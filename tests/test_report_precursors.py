@@ -152,7 +152,7 @@ def test_figure_has_a_panel_per_signal_family_on_log_axes():
     fig = precursor_figure(collect(events))
     names = [t.name for t in fig.data]
     assert names == ["max attention logit: blocks.0.attn", "max attention logit: blocks.1.attn",
-                     "output logits: max |logit|", "output logits: |log Z|", "|x| max / median: blocks.0"]
+                     "output logits: top |logit|", "output logits: |log Z|", "|x| max / median: blocks.0"]
     assert list(fig.data[0].x) == [9, 17] and list(fig.data[0].y) == [40.0, 400.0]
     assert list(fig.data[3].y) == [5.0]                       # |log Z| on a log axis
     assert {fig.layout[f"yaxis{i}"].type for i in ("", 2, 3)} == {"log"}

@@ -42,7 +42,7 @@ def _panels(data) -> list[tuple[str, dict[str, list], list[tuple[float, str]]]]:
         panels.append(("max attention logit", attn, [(a["warning"], "warning (Kimi K2 cap)"),
                                                      (a["degradation"], "degradation"),
                                                      (a["divergence"], "divergence")]))
-    out = {name: pts for signal, name in (("output_logit", "max |logit|"), ("output_lse", "|log Z|"))
+    out = {name: pts for signal, name in (("output_logit", "top |logit|"), ("output_lse", "|log Z|"))
            for pts in _series(data, signal).values()}
     if out:
         panels.append(("output logits", out, [(_logit_limit(data.meta.get("dtype")), "dtype spacing too coarse")]))

@@ -165,7 +165,7 @@ def _message(row: dict, cfg: dict, before: int | None, fp8: bool = True) -> str:
         return (f"attention logits grow in {where}: the largest pre-softmax logit {at}{then}{ahead}{level} "
                 f"(Wortsman et al. 2023; Kimi K2 caps it at 100)")
     if row["signal"] in ("output_logit", "output_lse"):
-        what = "max |logit|" if row["signal"] == "output_logit" else "mean log-sum-exp (log Z)"
+        what = "largest top |logit| (a row's max)" if row["signal"] == "output_logit" else "mean log-sum-exp (log Z)"
         return (f"output logits diverge: the {what} of {where} {at}{then}{ahead}, where the run's dtype spaces "
                 f"logits {cfg['output_logit']['max_spacing']:g} nats apart or more")
     return (f"massive activations in {where}: its |output| max over its median |x| {at}{then}{ahead}, with values "

@@ -12,8 +12,9 @@ Signals (thresholds and citations: rules/policy/precursors.toml):
   (also through ``F.multi_head_attention_forward``), the largest pre-softmax logit (signed max: additive masks
   are negative and do not count). Where sdpa never materializes the logits, ``q @ k^T * scale (+ mask)`` is
   recomputed here in FP32, in chunks of query rows.
-- ``output_logit`` / ``output_lse``: the model's output when it looks like logits: its max |logit| and the mean
-  log-sum-exp (log Z) over a strided sample of rows.
+- ``output_logit`` / ``output_lse``: the model's output when it looks like logits: the largest magnitude of a row's
+  top logit (the output's max, or minus the lowest row max of a strided sample of rows: far-negative logits of
+  tokens with ~0 probability do not count) and the mean log-sum-exp (log Z) over that sample.
 - ``massive_activation``: per module, on the pass of each interval that takes exact counts, its |output| max over
   the median |x| of a strided sample of that output.
 
@@ -295,12 +296,17 @@ class PrecursorMeter:
 
     def _measure_logits(self, out: torch.Tensor, sample_rows: int,
                         extremes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        lo, hi = extremes if extremes is not None else torch.aminmax(out)
-        self._out_max.append((self._step, torch.maximum(-lo, hi).float()))
+        hi = extremes[1] if extremes is not None else out.amax()
         rows = out.reshape(-1, out.shape[-1])
         rows = rows[:: max(1, rows.shape[0] // sample_rows)][:sample_rows]
         with torch.autocast(out.device.type, enabled=False):
-            self._out_lse.append((self._step, torch.logsumexp(rows.float(), dim=-1).mean()))
+            sample = rows.float()
+            # What must resolve are each row's top logits (those within a few nats of its max carry its probability):
+            # a far-negative logit (a token never seen, pushed down) has ~0 probability whatever its spacing, so the
+            # output's min does not count. The top side exactly (the output's max); a row whose max is itself far
+            # below 0 (every logit shifted down) from the sampled rows.
+            self._out_max.append((self._step, torch.maximum(hi.float(), -sample.amax(dim=-1).min())))
+            self._out_lse.append((self._step, torch.logsumexp(sample, dim=-1).mean()))
 
     def observe_activation(self, module: str, t: torch.Tensor,
                            extremes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
