@@ -1,0 +1,59 @@
+"""Research-code patterns around the functions torch.fx keeps opaque: a wrapped function calling a helper, one
+wrapped by name, a user's tracer that autowraps a utility module or keeps a submodule a leaf, wrapped functions
+that mutate their list and dict arguments or branch on data, and one wrapped function called from two modules.
+Each hazard is reported on the opaque code's own line with the module that called it."""
+from __future__ import annotations
+
+
+import ampaudit
+from ampaudit.loading import load_target
+
+from conftest import ASSETS
+
+HERE = ASSETS / "wrapped"
+
+
+def load(name: str):
+    loaded = load_target(str(HERE / f"{name}.py"))
+    return loaded.model, loaded.args
+
+
+def line_of(name: str, text: str) -> int:
+    lines = (HERE / f"{name}.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def found(report, rule: str) -> set:
+    return {(f.module, (f.location or {}).get("file"), (f.location or {}).get("line"))
+            for f in report.findings if f.rule == rule}
+
+
+def test_a_hazard_in_a_helper_the_wrapped_function_calls_is_on_the_helpers_line():
+    model, args = load("nested_helper")
+    report = ampaudit.check(model, *args, device="cuda")
+    line = line_of("nested_helper", "torch.finfo(torch.float32).min")
+    assert found(report, "AMP401") == {("block", str(HERE / "nested_helper.py"), line)}, report.to_dict()
+    assert report.capture == "fx" and not report.notes
+
+
+def test_a_function_wrapped_by_name_is_audited_inside():
+    model, args = load("by_name")
+    report = ampaudit.check(model, *args, device="cpu", dtype="float16")
+    line = line_of("by_name", "F.normalize(x, dim=-1)")
+    assert found(report, "AMP402") == {("head", str(HERE / "by_name.py"), line)}, report.to_dict()
+
+
+def test_one_wrapped_function_called_from_two_modules_names_each():
+    model, args = load("called_twice")
+    report = ampaudit.check(model, *args, device="cuda")
+    line = line_of("called_twice", "-1e9")
+    path = str(HERE / "called_twice.py")
+    assert found(report, "AMP401") == {("enc", path, line), ("dec", path, line)}
+
+
+def test_wrapped_functions_mutating_their_list_and_dict_arguments_are_audited():
+    model, args = load("mutating")
+    report = ampaudit.check(model, *args, device="cuda")
+    line = line_of("mutating", "feats[0].masked_fill")
+    assert found(report, "AMP401") == {("", str(HERE / "mutating.py"), line)}
+    assert not any("merge_levels" in n or "immutable" in n for n in report.notes), report.notes
