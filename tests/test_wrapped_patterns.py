@@ -4,6 +4,7 @@ that mutate their list and dict arguments or branch on data, and one wrapped fun
 Each hazard is reported on the opaque code's own line with the module that called it."""
 from __future__ import annotations
 
+import pytest
 
 import ampaudit
 from ampaudit.loading import load_target
@@ -57,3 +58,12 @@ def test_wrapped_functions_mutating_their_list_and_dict_arguments_are_audited():
     line = line_of("mutating", "feats[0].masked_fill")
     assert found(report, "AMP401") == {("", str(HERE / "mutating.py"), line)}
     assert not any("merge_levels" in n or "immutable" in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize("mode", ["fx", "dispatch"])
+def test_a_user_tracers_autowrapped_utility_module_is_audited_with_the_calling_module(mode):
+    # The user's tracer flattened Scores into the GraphModule: its ops keep Scores' path from that graph.
+    model, args = load("util_tracer")
+    report = ampaudit.check(model, *args, device="cpu", dtype="bfloat16", capture_mode=mode)
+    line = line_of("score_ops", "e = x.exp()")
+    assert found(report, "AMP202") == {("scores", str(HERE / "score_ops.py"), line)}, report.to_dict()

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampaudit.capture.fx_capture import Capture, model_code_only, user_frame
+from ampaudit.capture.fx_capture import Capture, model_code_only, origin_of_running
+from ampaudit.capture.graph_module_paths import GraphModulePaths
 from ampaudit.graph_meta import EXAMPLE_KEY, MODULE_KEY, SOURCE_KEY, set_origin
 from ampaudit.errors import CaptureError
 from ampaudit.policy import Policy
@@ -81,6 +82,7 @@ class _ModuleStack:
 
     def __init__(self, root: nn.Module):
         self.names = {id(m): n for n, m in root.named_modules()}
+        self.paths = GraphModulePaths(root)     # the modules a user's GraphModule's flat code belongs to
         self.stack: list[str] = []
         self._handles = []
 
@@ -149,7 +151,7 @@ class _Recorder(TorchDispatchMode):
     def _add(self, func, args, kwargs, out):
         node = self.graph.call_function(func, _map_tensors(self._node_for, tuple(args)),
                                         _map_tensors(self._node_for, dict(kwargs)))
-        set_origin(node, self.modules.current, user_frame())
+        set_origin(node, *origin_of_running(self.modules.current, self.modules.paths))
         self.pending.append((node, _map_tensors(_Shape, out)))
         if isinstance(out, torch.Tensor):
             self.known[out] = node
