@@ -43,6 +43,7 @@ class Audit:
     policy: Policy
     report: Report
     opaque: list = dataclasses.field(default_factory=list)   # the wrapped functions not audited inside, and why
+    recordable: list = dataclasses.field(default_factory=list)   # of those, what check records at these shapes
 
 
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
@@ -172,7 +173,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
-    return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes))
+    return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes),
+                 recordable=list(prop.recordable))
 
 
 @contextlib.contextmanager

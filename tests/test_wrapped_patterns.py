@@ -5,6 +5,7 @@ Each hazard is reported on the opaque code's own line with the module that calle
 from __future__ import annotations
 
 import pytest
+import torch
 
 import ampaudit
 from ampaudit.loading import load_target
@@ -67,3 +68,25 @@ def test_a_user_tracers_autowrapped_utility_module_is_audited_with_the_calling_m
     report = ampaudit.check(model, *args, device="cpu", dtype="bfloat16", capture_mode=mode)
     line = line_of("score_ops", "e = x.exp()")
     assert found(report, "AMP202") == {("scores", str(HERE / "score_ops.py"), line)}, report.to_dict()
+
+
+def test_a_wrapped_function_branching_on_data_is_noted_with_the_capture_that_follows_it():
+    model, args = load("mutating")
+    report = ampaudit.check(model, *args, device="cuda")
+    note = next(n for n in report.notes if n.startswith("gate is not audited inside"))
+    assert "--capture dispatch" in note, note
+    # which does follow it, on the example inputs, with gate's own line and its calling module
+    traced = ampaudit.check(model, *args, device="cuda", capture_mode="dispatch")
+    assert ("g", str(HERE / "mutating.py"), line_of("mutating", "x.exp() / x.exp()")) in found(traced, "AMP202")
+
+
+def test_fix_says_check_audits_a_wrapped_body_only_where_check_does():
+    from conftest import ASSETS as assets, load_module
+
+    W = load_module(assets / "wrapped" / "wrapped_models.py")
+    model, args = load("mutating")
+    data_note = next(n for n in ampaudit.fix(model, *args, device="cuda").report.notes if n.startswith("gate "))
+    assert "ampaudit check audits it" not in data_note and "--capture dispatch" in data_note, data_note
+    # A body that branches on a shape is recorded by check at the example inputs' shapes: fix says so.
+    shape_notes = ampaudit.fix(W.CosineWindows(), torch.randn(2, 4, 4, 16), device="cpu").report.notes
+    assert any(n.startswith("window_cosine_attention ") and "ampaudit check audits it" in n for n in shape_notes)

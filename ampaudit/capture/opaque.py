@@ -5,6 +5,7 @@ become one ``call_function`` node whose body no rule would see. This module open
     plain(value)                       # fx's immutable_list / immutable_dict -> list / dict, recursively
     inline_call(gm, node)              # re-trace node.target with fx and splice its ops in place of node
     record_call(gm, node, env)         # or record the aten ops it runs on env's values of its inputs
+    unrecordable(node, env)            # why record_call could not (None: it could), splicing nothing
     with export_anchors(): torch.export.export(...)   # export keeps the lines inside fx-wrapped functions
 
 Both return the first spliced node, :data:`NOTHING_INSIDE` when the function runs no tensor op (a shape
@@ -32,6 +33,9 @@ from ampaudit.graph_meta import MODULE_KEY, SOURCE_KEY, module_of, source_of
 NOTHING_INSIDE = "no tensor op inside"
 DEPTH_KEY = "ampaudit_inlined_depth"     # how many wrapped calls deep a spliced node sits
 MAX_DEPTH = 8                            # a wrapped function calling itself stops here
+# A body that fails on fake tensors at the real shapes reads tensor values (``if x.mean() > 0``): the dispatch
+# capture runs the model on the example inputs' values and follows it.
+VALUES_HINT = "it reads tensor values: --capture dispatch follows it on the example inputs"
 
 
 def user_function(target: Any) -> bool:
@@ -112,6 +116,21 @@ def inline_call(gm: fx.GraphModule, node: fx.Node):
 def record_call(gm: fx.GraphModule, node: fx.Node, env: dict):
     """Run ``node.target`` on ``env``'s values of its inputs (fake or meta tensors) under the dispatch recorder
     and splice the aten ops it ran in place of ``node``."""
+    recorded = _record(node, env)
+    if isinstance(recorded, str):
+        return recorded
+    return _splice(gm, node, *recorded)
+
+
+def unrecordable(node: fx.Node, env: dict) -> str | None:
+    """Why ``record_call`` could not splice ``node`` in (as :func:`record_call` says it), or None when it could;
+    the graph is left as it is."""
+    recorded = _record(node, env)
+    return recorded if isinstance(recorded, str) else None
+
+
+def _record(node: fx.Node, env: dict):
+    """(the recorded graph, its constants, the graph nodes of its inputs), or a one-line reason."""
     from torch.utils.weak import WeakIdKeyDictionary
 
     from ampaudit.capture.dispatch_capture import _ModuleStack, _Recorder
@@ -134,14 +153,15 @@ def record_call(gm: fx.GraphModule, node: fx.Node, env: dict):
         with torch.no_grad(), _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts), model_code_only():
             out = node.target(*args, **kwargs)
     except Exception as exc:
-        return _reason(exc)
+        # Run at the real shapes, the body still failed: it reads tensor values, which only a real run has.
+        return f"{_reason(exc)}; {VALUES_HINT}"
     outs, out_spec = tree_flatten(out)
     if any(isinstance(o, torch.Tensor) and o not in known for o in outs):
         return "it returns a tensor the recording did not see made"
     sub.output(tree_unflatten([known[o] if isinstance(o, torch.Tensor) else o for o in outs], out_spec))
     if not _computes(sub):
         return NOTHING_INSIDE
-    return _splice(gm, node, sub, types.SimpleNamespace(**consts), inputs)
+    return sub, types.SimpleNamespace(**consts), inputs
 
 
 def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: list) -> fx.Node:
