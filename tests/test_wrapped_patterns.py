@@ -61,7 +61,7 @@ def test_wrapped_functions_mutating_their_list_and_dict_arguments_are_audited():
     assert not any("merge_levels" in n or "immutable" in n for n in report.notes), report.notes
 
 
-@pytest.mark.parametrize("mode", ["fx", "dispatch"])
+@pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])
 def test_a_user_tracers_autowrapped_utility_module_is_audited_with_the_calling_module(mode):
     # The user's tracer flattened Scores into the GraphModule: its ops keep Scores' path from that graph.
     model, args = load("util_tracer")
@@ -90,3 +90,12 @@ def test_fix_says_check_audits_a_wrapped_body_only_where_check_does():
     # A body that branches on a shape is recorded by check at the example inputs' shapes: fix says so.
     shape_notes = ampaudit.fix(W.CosineWindows(), torch.randn(2, 4, 4, 16), device="cpu").report.notes
     assert any(n.startswith("window_cosine_attention ") and "ampaudit check audits it" in n for n in shape_notes)
+
+
+def test_a_user_tracers_leaf_with_data_dependent_control_flow_is_audited_inside():
+    # ampaudit's own trace goes into the leaf, which branches on data: the dispatch recording follows it.
+    model, args = load("leaf_tracer")
+    report = ampaudit.check(model, *args, device="cpu", dtype="bfloat16")
+    line = line_of("leaf_tracer", "torch.cumsum(")
+    assert report.capture == "dispatch"
+    assert found(report, "AMP203") == {("pos", str(HERE / "leaf_tracer.py"), line)}, report.to_dict()
