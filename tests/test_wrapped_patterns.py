@@ -99,3 +99,25 @@ def test_a_user_tracers_leaf_with_data_dependent_control_flow_is_audited_inside(
     line = line_of("leaf_tracer", "torch.cumsum(")
     assert report.capture == "dispatch"
     assert found(report, "AMP203") == {("pos", str(HERE / "leaf_tracer.py"), line)}, report.to_dict()
+
+
+def test_a_wrapped_function_handed_modules_runs_them_as_the_models_own():
+    from ampaudit.analysis.amp_prop import AmpProp
+    from ampaudit.capture import capture
+    from ampaudit.graph_meta import module_of
+    from ampaudit.policy import Policy
+
+    model, args = load("module_argument")
+    report = ampaudit.check(model, *args, device="cuda")
+    # The Linear it is handed runs under autocast: its float16 output meets the mask constant.
+    line = line_of("module_argument", "y.masked_fill(y < 0, -1e9)")
+    assert found(report, "AMP401") == {("block", str(HERE / "module_argument.py"), line)}, report.to_dict()
+    cap = capture(model)
+    AmpProp(cap.gm, Policy.load("cuda", "float16"), specialize=False).propagate(*args)
+    nodes = list(cap.gm.graph.nodes)
+    assert [(n.target, module_of(n)) for n in nodes if n.op == "call_module"] == [("block.proj", "block.proj")]
+    # The user's module is traced through, its weight read from the model, not copied in as a constant.
+    assert "block.gate.scale" in [n.target for n in nodes if n.op == "get_attr"]
+    assert not any("inlined_const" in str(n.target) for n in nodes)
+    cap.gm.recompile()
+    torch.testing.assert_close(cap.gm(*args), model(*args))

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch._subclasses import fake_tensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -59,9 +60,11 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _caller(fn, spec, leaves: list, slots: list[int]):
-    """A function of one argument per slot that rebuilds ``fn``'s arguments and calls it (fx names placeholders
-    after the parameters, so they are spelled out)."""
+def _caller(gm: fx.GraphModule, fn, spec, leaves: list, slots: list[int]) -> nn.Module:
+    """A module whose forward takes one argument per slot, rebuilds ``fn``'s arguments and calls it (fx names
+    placeholders after the parameters, so they are spelled out). It holds ``gm``'s own submodules, parameters and
+    buffers (shared, not copied): a module the function is handed (``proj(x)``) traces as ``gm``'s
+    ``call_module a.proj``, its weights as ``gm``'s attributes."""
     def build(*values):
         filled = list(leaves)
         for slot, v in zip(slots, values):
@@ -71,8 +74,24 @@ def _caller(fn, spec, leaves: list, slots: list[int]):
 
     params = ", ".join(f"a{i}" for i in range(len(slots)))
     ns = {"_build": build}
-    exec(f"def {fn.__name__}({params}):\n    return _build({params})\n", ns)
-    return ns[fn.__name__]
+    exec(f"def forward(self, {params}):\n    return _build({params})\n", ns)
+    holder = type(fn.__name__, (nn.Module,), {"forward": ns["forward"]})()
+    for slot in ("_modules", "_parameters", "_buffers"):
+        holder.__dict__[slot] = gm.__dict__[slot]
+    return holder
+
+
+def _modules_as_values(gm: fx.GraphModule, leaves: list) -> list:
+    """``leaves`` with the graph's ``get_attr`` nodes of submodules replaced by the modules themselves."""
+    out = []
+    for v in leaves:
+        if isinstance(v, fx.Node) and v.op == "get_attr":
+            try:
+                v = gm.get_submodule(str(v.target))
+            except AttributeError:
+                pass
+        out.append(v)
+    return out
 
 
 def _computes(graph: fx.Graph) -> bool:
@@ -100,17 +119,23 @@ def inline_call(gm: fx.GraphModule, node: fx.Node):
     if isinstance(flat, str):
         return flat
     leaves, spec = flat
+    handed = [v for v in leaves if isinstance(v, fx.Node) and v.op == "get_attr"]
+    leaves = _modules_as_values(gm, leaves)
     slots = [i for i, v in enumerate(leaves) if isinstance(v, fx.Node)]
     tracer = AuditTracer()
     try:
         # Outside propagation's fake mode: a tensor the body builds from constants is real, as fix must keep it.
         with fake_tensor.unset_fake_temporarily():
-            sub = tracer.trace(_caller(node.target, spec, leaves, slots))
+            sub = tracer.trace(_caller(gm, node.target, spec, leaves, slots))
     except Exception as exc:
         return _reason(exc)
     if not _computes(sub):
         return NOTHING_INSIDE
-    return _splice(gm, node, sub, tracer.root, [leaves[i] for i in slots])
+    first = _splice(gm, node, sub, tracer.root, [leaves[i] for i in slots])
+    for v in handed:              # a module's get_attr, now that its calls read the module itself
+        if not v.users:
+            gm.graph.erase_node(v)
+    return first
 
 
 def record_call(gm: fx.GraphModule, node: fx.Node, env: dict):
@@ -170,7 +195,10 @@ def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: 
     after = node.next
     with graph.inserting_before(after):
         for sn in sub.nodes:
-            if sn.op == "get_attr":          # a tensor the body built from constants (torch.tensor(-1e9))
+            if sn.op == "get_attr" and str(sn.target) not in sub_root.__dict__:
+                val_map[sn] = graph.get_attr(str(sn.target))     # gm's own: a weight of a module it was handed
+                val_map[sn].meta.update(sn.meta)
+            elif sn.op == "get_attr":        # a tensor the body built from constants (torch.tensor(-1e9))
                 name = _fresh_name(gm, "_ampaudit_inlined_const")
                 value = getattr(sub_root, str(sn.target))
                 if isinstance(value, torch.Tensor):   # not in state_dict: the model's checkpoints stay as they are
@@ -184,7 +212,7 @@ def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: 
     module, caller_source = module_of(node), source_of(node)
     n = first
     while n is not after:
-        n.meta[MODULE_KEY] = module
+        n.meta[MODULE_KEY] = module_of(n) or module     # a module the body was handed keeps its own path
         n.meta[SOURCE_KEY] = n.meta.get(SOURCE_KEY) or caller_source
         n.meta[DEPTH_KEY] = depth
         n = n.next
