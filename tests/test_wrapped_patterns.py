@@ -121,3 +121,22 @@ def test_a_wrapped_function_handed_modules_runs_them_as_the_models_own():
     assert not any("inlined_const" in str(n.target) for n in nodes)
     cap.gm.recompile()
     torch.testing.assert_close(cap.gm(*args), model(*args))
+
+
+@pytest.mark.parametrize("mode", ["fx", "dispatch"])
+def test_a_recorded_linear_on_a_strided_input_is_typed_as_autocast_runs_it(mode):
+    # fx: the wrapped body is recorded (it branches on a shape); dispatch: the forward raises under autocast, so it
+    # is recorded in fp32. Either way aten's mm + fp32 bias add must not make the linear's output float32.
+    model, args = load("recorded_linear")
+    report = ampaudit.check(model, *args, device="cuda", capture_mode=mode)
+    line = line_of("recorded_linear", "return y.masked_fill(y < 0, -1e9)")
+    assert found(report, "AMP401") == {("win", str(HERE / "recorded_linear.py"), line)}, report.to_dict()
+
+
+def test_a_linear_on_a_strided_slice_recorded_in_fp32_is_typed_as_autocast_runs_it():
+    from conftest import load_module
+
+    R = load_module(HERE / "recorded_linear.py")
+    report = ampaudit.check(R.Sliced(), torch.randn(2, 8, 16), device="cuda", capture_mode="dispatch")
+    line = line_of("recorded_linear", "return y.masked_fill(y < 0, -1e9).softmax(-1)")
+    assert ("", str(HERE / "recorded_linear.py"), line) in found(report, "AMP401"), report.to_dict()

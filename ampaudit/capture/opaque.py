@@ -158,7 +158,7 @@ def _record(node: fx.Node, env: dict):
     """(the recorded graph, its constants, the graph nodes of its inputs), or a one-line reason."""
     from torch.utils.weak import WeakIdKeyDictionary
 
-    from ampaudit.capture.dispatch_capture import _ModuleStack, _Recorder
+    from ampaudit.capture.dispatch_capture import WholeLinear, _ModuleStack, _Recorder
     from ampaudit.capture.fx_capture import model_code_only
 
     flat = _leaves(node)
@@ -175,7 +175,8 @@ def _record(node: fx.Node, env: dict):
         values.append(value)
     args, kwargs = tree_unflatten(values, spec)
     try:
-        with torch.no_grad(), _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts), model_code_only():
+        recorder = _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts)
+        with torch.no_grad(), WholeLinear(recorder), recorder, model_code_only():
             out = node.target(*args, **kwargs)
     except Exception as exc:
         # Run at the real shapes, the body still failed: it reads tensor values, which only a real run has.
