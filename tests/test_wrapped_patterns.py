@@ -140,3 +140,15 @@ def test_a_linear_on_a_strided_slice_recorded_in_fp32_is_typed_as_autocast_runs_
     report = ampaudit.check(R.Sliced(), torch.randn(2, 8, 16), device="cuda", capture_mode="dispatch")
     line = line_of("recorded_linear", "return y.masked_fill(y < 0, -1e9).softmax(-1)")
     assert ("", str(HERE / "recorded_linear.py"), line) in found(report, "AMP401"), report.to_dict()
+
+
+def test_a_recorded_body_that_casts_to_fp32_is_clean():
+    # The recording runs under the target's autocast: `.float()` on the linear's float16 output is a cast it sees
+    # (in fp32 it would be no op at all, and the mask would still be typed float16).
+    from conftest import load_module
+
+    R = load_module(HERE / "recorded_linear.py")
+    report = ampaudit.check(R.WindowFixed(), torch.randn(2, 8, 16), device="cuda")
+    assert not found(report, "AMP401") and not report.notes, report.to_dict()
+    cpu = ampaudit.check(R.WindowFixed(), torch.randn(2, 8, 16), device="cpu", dtype="float16")
+    assert not found(cpu, "AMP401") and not cpu.notes, cpu.to_dict()

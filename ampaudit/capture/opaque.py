@@ -138,28 +138,31 @@ def inline_call(gm: fx.GraphModule, node: fx.Node):
     return first
 
 
-def record_call(gm: fx.GraphModule, node: fx.Node, env: dict):
+def record_call(gm: fx.GraphModule, node: fx.Node, env: dict, policy=None):
     """Run ``node.target`` on ``env``'s values of its inputs (fake or meta tensors) under the dispatch recorder
-    and splice the aten ops it ran in place of ``node``."""
-    recorded = _record(node, env)
+    and splice the aten ops it ran in place of ``node``. With ``policy`` (an :class:`ampaudit.policy.Policy`) it
+    runs under the target's autocast, as the dispatch capture runs a forward (``.float()`` on what autocast makes
+    float16 is then a cast the recording sees), in fp32 where that raises."""
+    recorded = _record(node, env, policy)
     if isinstance(recorded, str):
         return recorded
     return _splice(gm, node, *recorded)
 
 
-def unrecordable(node: fx.Node, env: dict) -> str | None:
+def unrecordable(node: fx.Node, env: dict, policy=None) -> str | None:
     """Why ``record_call`` could not splice ``node`` in (as :func:`record_call` says it), or None when it could;
     the graph is left as it is."""
-    recorded = _record(node, env)
+    recorded = _record(node, env, policy)
     return recorded if isinstance(recorded, str) else None
 
 
-def _record(node: fx.Node, env: dict):
+def _record(node: fx.Node, env: dict, policy=None):
     """(the recorded graph, its constants, the graph nodes of its inputs), or a one-line reason."""
     from torch.utils.weak import WeakIdKeyDictionary
 
     from ampaudit.capture.dispatch_capture import WholeLinear, _ModuleStack, _Recorder
     from ampaudit.capture.fx_capture import model_code_only
+    from ampaudit.simulate import observing, target_autocast
 
     flat = _leaves(node)
     if isinstance(flat, str):
@@ -174,11 +177,15 @@ def _record(node: fx.Node, env: dict):
             inputs.append(v)
         values.append(value)
     args, kwargs = tree_unflatten(values, spec)
+    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    recorder = _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts)
+    amp = WholeLinear(recorder) if policy is None else target_autocast(policy, device)
     try:
-        recorder = _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts)
-        with torch.no_grad(), WholeLinear(recorder), recorder, model_code_only():
+        with torch.no_grad(), amp, observing(recorder.simulated), recorder, model_code_only():
             out = node.target(*args, **kwargs)
     except Exception as exc:
+        if policy is not None:
+            return _record(node, env)
         # Run at the real shapes, the body still failed: it reads tensor values, which only a real run has.
         return f"{_reason(exc)}; {VALUES_HINT}"
     outs, out_spec = tree_flatten(out)
