@@ -152,3 +152,13 @@ def test_a_recorded_body_that_casts_to_fp32_is_clean():
     assert not found(report, "AMP401") and not report.notes, report.to_dict()
     cpu = ampaudit.check(R.WindowFixed(), torch.randn(2, 8, 16), device="cpu", dtype="float16")
     assert not found(cpu, "AMP401") and not cpu.notes, cpu.to_dict()
+
+
+@pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])
+def test_a_user_traced_graph_module_nested_in_a_model_keeps_its_module_paths(mode):
+    from ampaudit.loading import load_target
+
+    loaded = load_target(str(HERE / "util_tracer.py"), entry="WithHead")
+    report = ampaudit.check(loaded.model, *loaded.args, device="cpu", dtype="bfloat16", capture_mode=mode)
+    line = line_of("score_ops", "e = x.exp()")
+    assert found(report, "AMP202") == {("backbone.scores", str(HERE / "score_ops.py"), line)}, report.to_dict()

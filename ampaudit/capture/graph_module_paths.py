@@ -9,16 +9,21 @@ torch.compile reads it back)::
 
     paths = GraphModulePaths(root)                  # nothing to look up when root holds no GraphModule
     module, stack = paths.of_running("", sys._getframe())   # ("scores", None): the op's node was Scores' code
+    paths.of_stack("", node.meta["stack_trace"])            # "scores": the same, read from an exported node
 
 A path is only ever one ``root.named_modules()`` holds (the innermost of the recorded stack that the GraphModule
 kept), so reports name modules as everywhere else.
 """
 from __future__ import annotations
 
+import re
 import types
 
 import torch.fx as fx
 from torch import nn
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 class GraphModulePaths:
@@ -52,6 +57,26 @@ class GraphModulePaths:
             return module, None
         meta = metas[index]
         return _join(path, self._owner(path, meta.get("nn_module_stack") or {})), meta.get("stack_trace")
+
+    def of_stack(self, module: str, stack: str | None) -> str:
+        """``module`` (the path an exported node's ``nn_module_stack`` gives) made the recorded owner where the
+        node's ``stack_trace`` runs in a GraphModule's own code that ``module`` is not inside (export names no
+        module for a GraphModule it runs nested, and reads the top one's own meta)."""
+        if not self._codes or not stack:
+            return module
+        by_file = {code.co_filename: entry for code, entry in self._codes.items()}
+        for filename, line in reversed(_FRAME_RE.findall(stack)):
+            entry = by_file.get(filename)
+            if entry is None:
+                continue
+            path, first, lines, metas = entry
+            if module.startswith(path + ".") if path else module:
+                return module            # inside a module the GraphModule called: export named it
+            index = lines.get(int(line) - first)
+            if index is None or index >= len(metas):
+                return module
+            return _join(path, self._owner(path, metas[index].get("nn_module_stack") or {}))
+        return module
 
     def _owner(self, path: str, stack: dict) -> str:
         """The innermost module of a recorded ``nn_module_stack`` that the GraphModule at ``path`` still holds."""

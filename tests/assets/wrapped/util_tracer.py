@@ -32,6 +32,18 @@ class UtilTracer(torch.fx.Tracer):
         super().__init__(autowrap_modules=(math, score_ops))
 
 
+class WithHead(nn.Module):
+    """The traced GraphModule as one submodule of a model that was not traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = build_model()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
 def build_model():
     model = Net()
     return torch.fx.GraphModule(model, UtilTracer().trace(model))
