@@ -152,6 +152,10 @@ def test_a_recorded_body_that_casts_to_fp32_is_clean():
     assert not found(report, "AMP401") and not report.notes, report.to_dict()
     cpu = ampaudit.check(R.WindowFixed(), torch.randn(2, 8, 16), device="cpu", dtype="float16")
     assert not found(cpu, "AMP401") and not cpu.notes, cpu.to_dict()
+    # Its inputs have the dtype autocast gives them (float16), so a body's own fp32 island upcasts them too.
+    for device in ("cuda", "cpu"):
+        island = ampaudit.check(R.WindowIsland(), torch.randn(2, 8, 16), device=device, dtype="float16")
+        assert not found(island, "AMP401") and not island.notes, island.to_dict()
 
 
 @pytest.mark.parametrize("mode", ["fx", "export", "dispatch"])

@@ -251,9 +251,9 @@ class AmpProp(fx.Interpreter):
             # Control flow on a shape (Swin's window sizes): the ops these inputs run, recorded (without
             # specialize, only whether they could be, which a specialized audit then sees).
             if self.specialize:
-                spliced = record_call(self.module, n, self.env, self.policy)
+                spliced = record_call(self.module, n, self.env, self.policy, self.amp_dtype)
             else:
-                why = unrecordable(n, self.env, self.policy)
+                why = unrecordable(n, self.env, self.policy, self.amp_dtype)
                 recordable, spliced = why is None, spliced if why is None else why
         if isinstance(spliced, fx.Node):
             return spliced

@@ -138,25 +138,26 @@ def inline_call(gm: fx.GraphModule, node: fx.Node):
     return first
 
 
-def record_call(gm: fx.GraphModule, node: fx.Node, env: dict, policy=None):
+def record_call(gm: fx.GraphModule, node: fx.Node, env: dict, policy=None, dtypes: dict | None = None):
     """Run ``node.target`` on ``env``'s values of its inputs (fake or meta tensors) under the dispatch recorder
     and splice the aten ops it ran in place of ``node``. With ``policy`` (an :class:`ampaudit.policy.Policy`) it
     runs under the target's autocast, as the dispatch capture runs a forward (``.float()`` on what autocast makes
-    float16 is then a cast the recording sees), in fp32 where that raises."""
-    recorded = _record(node, env, policy)
+    float16 is then a cast the recording sees), in fp32 where that raises; ``dtypes`` (node -> its dtype under
+    autocast, as propagation tracks it) gives the inputs the dtypes they have there."""
+    recorded = _record(node, env, policy, dtypes)
     if isinstance(recorded, str):
         return recorded
     return _splice(gm, node, *recorded)
 
 
-def unrecordable(node: fx.Node, env: dict, policy=None) -> str | None:
+def unrecordable(node: fx.Node, env: dict, policy=None, dtypes: dict | None = None) -> str | None:
     """Why ``record_call`` could not splice ``node`` in (as :func:`record_call` says it), or None when it could;
     the graph is left as it is."""
-    recorded = _record(node, env, policy)
+    recorded = _record(node, env, policy, dtypes)
     return recorded if isinstance(recorded, str) else None
 
 
-def _record(node: fx.Node, env: dict, policy=None):
+def _record(node: fx.Node, env: dict, policy=None, dtypes: dict | None = None):
     """(the recorded graph, its constants, the graph nodes of its inputs), or a one-line reason."""
     from torch.utils.weak import WeakIdKeyDictionary
 
@@ -172,6 +173,10 @@ def _record(node: fx.Node, env: dict, policy=None):
     inputs, values = [], []
     for v in leaves:
         value = plain(env[v]) if isinstance(v, fx.Node) else v
+        low = (dtypes or {}).get(v) if policy is not None and isinstance(v, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and isinstance(low, torch.dtype) \
+                and low.is_floating_point and low != value.dtype:
+            value = value.to(low)        # as autocast hands it over: a .float() inside is then a cast
         if isinstance(value, torch.Tensor) and value not in known:
             known[value] = sub.placeholder(f"a{len(inputs)}")
             inputs.append(v)
