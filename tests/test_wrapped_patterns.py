@@ -166,3 +166,20 @@ def test_a_user_traced_graph_module_nested_in_a_model_keeps_its_module_paths(mod
     report = ampaudit.check(loaded.model, *loaded.args, device="cpu", dtype="bfloat16", capture_mode=mode)
     line = line_of("score_ops", "e = x.exp()")
     assert found(report, "AMP202") == {("backbone.scores", str(HERE / "score_ops.py"), line)}, report.to_dict()
+
+
+def test_a_finding_in_a_recorded_body_recommends_the_source_edit_that_fixes_it():
+    # fix -o leaves a body recorded at the example shapes as written: the report names fix --diff, which runs.
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+    from conftest import load_module
+
+    R = load_module(HERE / "recorded_linear.py")
+    report = ampaudit.check(R.WindowExp(), torch.randn(2, 8, 16), device="cpu", dtype="float16")
+    exp = [f for f in report.findings if f.rule == "AMP202"]
+    assert exp and all("fix --diff" in f.fix and "fix -o" not in f.fix for f in exp), [f.fix for f in exp]
+    res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "--entry", "WindowExp", "--input",
+                                   "2x8x16", "--device", "cpu", "--diff"])
+    assert res.exit_code in (0, 1) and "re-check: clean for AMP202" in res.output, res.output

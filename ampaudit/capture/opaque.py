@@ -29,7 +29,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ampaudit.capture.fx_capture import AuditTracer, is_user_file
-from ampaudit.graph_meta import MODULE_KEY, SOURCE_KEY, module_of, source_of
+from ampaudit.graph_meta import MODULE_KEY, RECORDED_KEY, SOURCE_KEY, module_of, source_of
 
 NOTHING_INSIDE = "no tensor op inside"
 DEPTH_KEY = "ampaudit_inlined_depth"     # how many wrapped calls deep a spliced node sits
@@ -147,7 +147,7 @@ def record_call(gm: fx.GraphModule, node: fx.Node, env: dict, policy=None, dtype
     recorded = _record(node, env, policy, dtypes)
     if isinstance(recorded, str):
         return recorded
-    return _splice(gm, node, *recorded)
+    return _splice(gm, node, *recorded, recorded=True)
 
 
 def unrecordable(node: fx.Node, env: dict, policy=None, dtypes: dict | None = None) -> str | None:
@@ -202,7 +202,8 @@ def _record(node: fx.Node, env: dict, policy=None, dtypes: dict | None = None):
     return sub, types.SimpleNamespace(**consts), inputs
 
 
-def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: list) -> fx.Node:
+def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: list,
+            recorded: bool = False) -> fx.Node:
     graph, depth = gm.graph, node.meta.get(DEPTH_KEY, 0) + 1
     val_map: dict = dict(zip((n for n in sub.nodes if n.op == "placeholder"), inputs))
     after = node.next
@@ -228,6 +229,7 @@ def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: 
         n.meta[MODULE_KEY] = module_of(n) or module     # a module the body was handed keeps its own path
         n.meta[SOURCE_KEY] = n.meta.get(SOURCE_KEY) or caller_source
         n.meta[DEPTH_KEY] = depth
+        n.meta[RECORDED_KEY] = recorded or bool(n.meta.get(RECORDED_KEY))
         n = n.next
     _rewire(graph, node, out)
     graph.erase_node(node)
