@@ -23,7 +23,7 @@ from ampaudit.capture import Capture, capture_any
 from ampaudit.errors import UsageError
 from ampaudit.findings import Report
 from ampaudit.policy import Policy
-from ampaudit.rules.engine import relative_location, route_untraceable, run_rules
+from ampaudit.rules.engine import relative_location, route_recorded, route_untraceable, run_rules
 from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
 from ampaudit.notes import collect
@@ -43,6 +43,7 @@ class Audit:
     policy: Policy
     report: Report
     opaque: list = dataclasses.field(default_factory=list)   # the wrapped functions not audited inside, and why
+    recordable: list = dataclasses.field(default_factory=list)   # of those, what check records at these shapes
 
 
 def check(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
@@ -151,6 +152,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     findings, suppressed = run_rules(ctx, active)
     if cap.mode != "fx":
         route_untraceable(findings)
+    else:
+        route_recorded(findings, cap.gm)
     if base_dir is not None:
         for f in findings:
             relative_location(f, Path(base_dir))
@@ -174,7 +177,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
-    return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes))
+    return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes),
+                 recordable=list(prop.recordable))
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
     module_of(node)     # "encoder.layers.0.attn": the module whose own code ran the op ("" for the top module)
     source_of(node)     # SourceLoc(file, line, code) of the user's line, or None
     example_of(node)    # the output a dispatch capture recorded (meta tensors), or None
+    recorded(node)      # True for an op of a wrapped body recorded at the example shapes (fix leaves it as written)
     owner(node, root)   # the nn.Module whose own code ran it
     set_origin(node, module, source)
 
@@ -20,6 +21,7 @@ from torch import nn
 MODULE_KEY = "ampaudit_module"
 SOURCE_KEY = "ampaudit_source"
 EXAMPLE_KEY = "ampaudit_example"
+RECORDED_KEY = "ampaudit_recorded"      # an op of a wrapped body recorded at the example inputs' shapes
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ def source_of(node: fx.Node) -> SourceLoc | None:
 
 def example_of(node: fx.Node) -> Any:
     return node.meta.get(EXAMPLE_KEY)
+
+
+def recorded(node: fx.Node) -> bool:
+    return bool(node.meta.get(RECORDED_KEY))
 
 
 def owner(node: fx.Node, root: nn.Module) -> nn.Module | None:

@@ -34,7 +34,7 @@ from ampaudit.graph_meta import SourceLoc, module_of, source_of
 from ampaudit.analysis.meta_memo import MetaMemo
 from ampaudit.analysis.prop_fallbacks import raise_if_real_kernel_raises, recorded_output, reshaped_view
 from ampaudit.analysis.mixed_dtypes import NO_KERNEL as _NO_KERNEL, raises_at_autocast_dtypes, run_promoted
-from ampaudit.capture.opaque import NOTHING_INSIDE, inline_call, plain, record_call, user_function
+from ampaudit.capture.opaque import NOTHING_INSIDE, inline_call, plain, record_call, unrecordable, user_function
 from ampaudit.dtypes import by_name
 from ampaudit.errors import InputError
 from ampaudit.policy import Policy, op_names
@@ -115,6 +115,7 @@ class AmpProp(fx.Interpreter):
         self.autocast_stack: list[bool] = []     # enabled flags of recorded autocast regions, innermost last
         self.specialize = specialize
         self.notes: list[str] = []               # what propagation could not look into
+        self.recordable: list[str] = []          # of those (specialize=False), what a specialized run records
         self.probe_memo: dict = {}              # op signature -> the mixed-dtype probe's verdict
         self._device: torch.device | None = None
         self._memo: MetaMemo | None = None        # while a meta-device graph propagates
@@ -245,15 +246,22 @@ class AmpProp(fx.Interpreter):
         ``n`` stays one opaque call (its body computes no tensor op, or cannot be traced: then noted)."""
         spliced = inline_call(self.module, n)
         inputs = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
-        if isinstance(spliced, str) and spliced != NOTHING_INSIDE and self.specialize \
-                and all(a in self.env for a in inputs):
-            # Control flow on a shape (Swin's window sizes): the ops these inputs run, recorded.
-            spliced = record_call(self.module, n, self.env)
+        recordable = False
+        if isinstance(spliced, str) and spliced != NOTHING_INSIDE and all(a in self.env for a in inputs):
+            # Control flow on a shape (Swin's window sizes): the ops these inputs run, recorded (without
+            # specialize, only whether they could be, which a specialized audit then sees).
+            if self.specialize:
+                spliced = record_call(self.module, n, self.env, self.policy, self.amp_dtype)
+            else:
+                why = unrecordable(n, self.env, self.policy, self.amp_dtype)
+                recordable, spliced = why is None, spliced if why is None else why
         if isinstance(spliced, fx.Node):
             return spliced
         note = f"{n.target.__name__} is not audited inside (fx keeps it opaque: {spliced})"
         if spliced != NOTHING_INSIDE and note not in self.notes:    # once, not once per block calling it
             self.notes.append(note)
+            if recordable:
+                self.recordable.append(note)
         return None
 
     def call_function(self, target, args, kwargs):

@@ -16,11 +16,13 @@ import contextlib
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampaudit.capture.fx_capture import Capture, model_code_only, user_frame
+from ampaudit.capture.fx_capture import Capture, model_code_only, origin_of_running
+from ampaudit.capture.graph_module_paths import GraphModulePaths
 from ampaudit.graph_meta import EXAMPLE_KEY, MODULE_KEY, SOURCE_KEY, set_origin
 from ampaudit.errors import CaptureError
 from ampaudit.policy import Policy
@@ -81,6 +83,7 @@ class _ModuleStack:
 
     def __init__(self, root: nn.Module):
         self.names = {id(m): n for n, m in root.named_modules()}
+        self.paths = GraphModulePaths(root)     # the modules a user's GraphModule's flat code belongs to
         self.stack: list[str] = []
         self._handles = []
 
@@ -149,7 +152,7 @@ class _Recorder(TorchDispatchMode):
     def _add(self, func, args, kwargs, out):
         node = self.graph.call_function(func, _map_tensors(self._node_for, tuple(args)),
                                         _map_tensors(self._node_for, dict(kwargs)))
-        set_origin(node, self.modules.current, user_frame())
+        set_origin(node, *origin_of_running(self.modules.current, self.modules.paths))
         self.pending.append((node, _map_tensors(_Shape, out)))
         if isinstance(out, torch.Tensor):
             self.known[out] = node
@@ -172,6 +175,23 @@ class _Recorder(TorchDispatchMode):
         self.pending.clear()
 
 
+class WholeLinear(TorchFunctionMode):
+    """``F.linear`` recorded as the one ``aten.linear`` call the model made, where no autocast runs it (a forward
+    recorded in fp32; a wrapped body recorded on fake tensors). On a strided input aten splits linear into ``mm``
+    and an add of the float32 bias, which the policy would type float32, where autocast lowers the whole linear.
+    """
+
+    def __init__(self, recorder: "_Recorder"):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and not self.recorder.paused:
+            return self.recorder.simulated(torch.ops.aten.linear.default, args, kwargs, lambda: func(*args, **kwargs))
+        return func(*args, **kwargs)
+
+
 def _getitem(seq, i):
     return seq[i]
 
@@ -180,8 +200,8 @@ _getitem.__name__ = "getitem"
 
 
 def _record(model, args, kwargs, graph, modules, known, consts, device_type, policy):
-    amp = contextlib.nullcontext() if policy is None else target_autocast(policy, device_type)
     recorder = _Recorder(graph, modules, known, consts)
+    amp = WholeLinear(recorder) if policy is None else target_autocast(policy, device_type)
     # The target's autocast outside the recorder: the simulation's own dispatch mode must not be recorded.
     try:
         with torch.no_grad(), amp, observing(recorder.simulated), modules, recorder, model_code_only(model):

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ampaudit.capture.fx_capture import Capture
+from ampaudit.capture.graph_module_paths import GraphModulePaths
 from ampaudit.capture.source_lines import SourceLines
 from ampaudit.graph_meta import set_origin
 from ampaudit.errors import CaptureError
@@ -43,10 +44,10 @@ def module_path(raw: str) -> str:
 def annotate(gm: fx.GraphModule, root: nn.Module | None = None) -> None:
     """Write MODULE_KEY and SOURCE_KEY on every node from ``nn_module_stack`` and ``stack_trace`` (the stack's
     line: the user's, else that of ``root``'s library, as :class:`SourceLines` picks it)."""
-    lines = SourceLines(root)
+    lines, paths = SourceLines(root), GraphModulePaths(root)
     for n in gm.graph.nodes:
         stack = n.meta.get("nn_module_stack")
-        path = module_path(list(stack.values())[-1][0]) if stack else ""
+        path = paths.of_stack(module_path(list(stack.values())[-1][0]) if stack else "", n.meta.get("stack_trace"))
         set_origin(n, path, lines.of_stack(n.meta.get("stack_trace")))
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.errors import CaptureError
+from ampaudit.capture.graph_module_paths import GraphModulePaths
 from ampaudit.capture.source_lines import SourceLines
 from ampaudit.graph_meta import SourceLoc, set_origin
 from ampaudit.user_code import is_user_file
@@ -57,6 +58,16 @@ def user_frame() -> SourceLoc | None:
     return (lines or SourceLines()).of_running(sys._getframe(1), outermost)
 
 
+def origin_of_running(module: str, paths: GraphModulePaths) -> tuple[str, SourceLoc | None]:
+    """The module and source line of the running op, ``module`` (the running module's path) made the recorded
+    owner where a user's GraphModule runs the op from its own flat code (``paths``)."""
+    module, stack = paths.of_running(module, sys._getframe(1))
+    outermost, lines = _OUTERMOST.get()
+    lines = lines or SourceLines()
+    loc = lines.of_running(sys._getframe(1), outermost)
+    return module, loc if loc is not None or not stack else lines.of_stack(stack)
+
+
 def user_frame_of(tb_or_frames) -> SourceLoc | None:
     """The innermost user frame of a traceback (for errors raised while tracing)."""
     frames = traceback.extract_tb(tb_or_frames) if not isinstance(tb_or_frames, list) else tb_or_frames
@@ -72,6 +83,7 @@ class AuditTracer(fx.Tracer):
     def __init__(self, leaf_types: tuple[type, ...] = ()):
         super().__init__()
         self._extra_leaves = leaf_types
+        self._paths = GraphModulePaths(None)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if self._extra_leaves and isinstance(m, self._extra_leaves):
@@ -98,6 +110,7 @@ class AuditTracer(fx.Tracer):
         am._enter_autocast = lambda *vals: self.create_proxy("call_function", enter, vals, {})
         am._exit_autocast = lambda mode: self.create_proxy("call_function", exit_, (mode,), {})
         am.autocast.__enter__, am.autocast.__exit__ = record_enter, record_exit
+        self._paths = GraphModulePaths(root)
         try:
             with model_code_only(root if isinstance(root, nn.Module) else None):
                 return super().trace(root, concrete_args)
@@ -113,7 +126,10 @@ class AuditTracer(fx.Tracer):
             # module_stack holds the modules whose forward is running; the last one owns this op.
             stack = getattr(self, "module_stack", None) or {}
             path = next(reversed(stack), "") if stack else ""
-        set_origin(node, _strip_wrapper(path), user_frame() if kind not in ("placeholder", "output") else None)
+        if kind in ("placeholder", "output"):
+            set_origin(node, _strip_wrapper(path), None)
+        else:
+            set_origin(node, *origin_of_running(_strip_wrapper(path), self._paths))
         return node
 
 

@@ -5,6 +5,7 @@ become one ``call_function`` node whose body no rule would see. This module open
     plain(value)                       # fx's immutable_list / immutable_dict -> list / dict, recursively
     inline_call(gm, node)              # re-trace node.target with fx and splice its ops in place of node
     record_call(gm, node, env)         # or record the aten ops it runs on env's values of its inputs
+    unrecordable(node, env)            # why record_call could not (None: it could), splicing nothing
     with export_anchors(): torch.export.export(...)   # export keeps the lines inside fx-wrapped functions
 
 Both return the first spliced node, :data:`NOTHING_INSIDE` when the function runs no tensor op (a shape
@@ -22,16 +23,20 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch._subclasses import fake_tensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ampaudit.capture.fx_capture import AuditTracer, is_user_file
-from ampaudit.graph_meta import MODULE_KEY, SOURCE_KEY, module_of, source_of
+from ampaudit.graph_meta import MODULE_KEY, RECORDED_KEY, SOURCE_KEY, module_of, source_of
 
 NOTHING_INSIDE = "no tensor op inside"
 DEPTH_KEY = "ampaudit_inlined_depth"     # how many wrapped calls deep a spliced node sits
 MAX_DEPTH = 8                            # a wrapped function calling itself stops here
+# A body that fails on fake tensors at the real shapes reads tensor values (``if x.mean() > 0``): the dispatch
+# capture runs the model on the example inputs' values and follows it.
+VALUES_HINT = "it reads tensor values: --capture dispatch follows it on the example inputs"
 
 
 def user_function(target: Any) -> bool:
@@ -55,9 +60,11 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _caller(fn, spec, leaves: list, slots: list[int]):
-    """A function of one argument per slot that rebuilds ``fn``'s arguments and calls it (fx names placeholders
-    after the parameters, so they are spelled out)."""
+def _caller(gm: fx.GraphModule, fn, spec, leaves: list, slots: list[int]) -> nn.Module:
+    """A module whose forward takes one argument per slot, rebuilds ``fn``'s arguments and calls it (fx names
+    placeholders after the parameters, so they are spelled out). It holds ``gm``'s own submodules, parameters and
+    buffers (shared, not copied): a module the function is handed (``proj(x)``) traces as ``gm``'s
+    ``call_module a.proj``, its weights as ``gm``'s attributes."""
     def build(*values):
         filled = list(leaves)
         for slot, v in zip(slots, values):
@@ -67,8 +74,24 @@ def _caller(fn, spec, leaves: list, slots: list[int]):
 
     params = ", ".join(f"a{i}" for i in range(len(slots)))
     ns = {"_build": build}
-    exec(f"def {fn.__name__}({params}):\n    return _build({params})\n", ns)
-    return ns[fn.__name__]
+    exec(f"def forward(self, {params}):\n    return _build({params})\n", ns)
+    holder = type(fn.__name__, (nn.Module,), {"forward": ns["forward"]})()
+    for slot in ("_modules", "_parameters", "_buffers"):
+        holder.__dict__[slot] = gm.__dict__[slot]
+    return holder
+
+
+def _modules_as_values(gm: fx.GraphModule, leaves: list) -> list:
+    """``leaves`` with the graph's ``get_attr`` nodes of submodules replaced by the modules themselves."""
+    out = []
+    for v in leaves:
+        if isinstance(v, fx.Node) and v.op == "get_attr":
+            try:
+                v = gm.get_submodule(str(v.target))
+            except AttributeError:
+                pass
+        out.append(v)
+    return out
 
 
 def _computes(graph: fx.Graph) -> bool:
@@ -96,26 +119,51 @@ def inline_call(gm: fx.GraphModule, node: fx.Node):
     if isinstance(flat, str):
         return flat
     leaves, spec = flat
+    handed = [v for v in leaves if isinstance(v, fx.Node) and v.op == "get_attr"]
+    leaves = _modules_as_values(gm, leaves)
     slots = [i for i, v in enumerate(leaves) if isinstance(v, fx.Node)]
     tracer = AuditTracer()
     try:
         # Outside propagation's fake mode: a tensor the body builds from constants is real, as fix must keep it.
         with fake_tensor.unset_fake_temporarily():
-            sub = tracer.trace(_caller(node.target, spec, leaves, slots))
+            sub = tracer.trace(_caller(gm, node.target, spec, leaves, slots))
     except Exception as exc:
         return _reason(exc)
     if not _computes(sub):
         return NOTHING_INSIDE
-    return _splice(gm, node, sub, tracer.root, [leaves[i] for i in slots])
+    first = _splice(gm, node, sub, tracer.root, [leaves[i] for i in slots])
+    for v in handed:              # a module's get_attr, now that its calls read the module itself
+        if not v.users:
+            gm.graph.erase_node(v)
+    return first
 
 
-def record_call(gm: fx.GraphModule, node: fx.Node, env: dict):
+def record_call(gm: fx.GraphModule, node: fx.Node, env: dict, policy=None, dtypes: dict | None = None):
     """Run ``node.target`` on ``env``'s values of its inputs (fake or meta tensors) under the dispatch recorder
-    and splice the aten ops it ran in place of ``node``."""
+    and splice the aten ops it ran in place of ``node``. With ``policy`` (an :class:`ampaudit.policy.Policy`) it
+    runs under the target's autocast, as the dispatch capture runs a forward (``.float()`` on what autocast makes
+    float16 is then a cast the recording sees), in fp32 where that raises; ``dtypes`` (node -> its dtype under
+    autocast, as propagation tracks it) gives the inputs the dtypes they have there."""
+    recorded = _record(node, env, policy, dtypes)
+    if isinstance(recorded, str):
+        return recorded
+    return _splice(gm, node, *recorded, recorded=True)
+
+
+def unrecordable(node: fx.Node, env: dict, policy=None, dtypes: dict | None = None) -> str | None:
+    """Why ``record_call`` could not splice ``node`` in (as :func:`record_call` says it), or None when it could;
+    the graph is left as it is."""
+    recorded = _record(node, env, policy, dtypes)
+    return recorded if isinstance(recorded, str) else None
+
+
+def _record(node: fx.Node, env: dict, policy=None, dtypes: dict | None = None):
+    """(the recorded graph, its constants, the graph nodes of its inputs), or a one-line reason."""
     from torch.utils.weak import WeakIdKeyDictionary
 
-    from ampaudit.capture.dispatch_capture import _ModuleStack, _Recorder
+    from ampaudit.capture.dispatch_capture import WholeLinear, _ModuleStack, _Recorder
     from ampaudit.capture.fx_capture import model_code_only
+    from ampaudit.simulate import observing, target_autocast
 
     flat = _leaves(node)
     if isinstance(flat, str):
@@ -125,32 +173,46 @@ def record_call(gm: fx.GraphModule, node: fx.Node, env: dict):
     inputs, values = [], []
     for v in leaves:
         value = plain(env[v]) if isinstance(v, fx.Node) else v
+        low = (dtypes or {}).get(v) if policy is not None and isinstance(v, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and isinstance(low, torch.dtype) \
+                and low.is_floating_point and low != value.dtype:
+            value = value.to(low)        # as autocast hands it over: a .float() inside is then a cast
         if isinstance(value, torch.Tensor) and value not in known:
             known[value] = sub.placeholder(f"a{len(inputs)}")
             inputs.append(v)
         values.append(value)
     args, kwargs = tree_unflatten(values, spec)
+    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    recorder = _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts)
+    amp = WholeLinear(recorder) if policy is None else target_autocast(policy, device)
     try:
-        with torch.no_grad(), _Recorder(sub, _ModuleStack(torch.nn.Module()), known, consts), model_code_only():
+        with torch.no_grad(), amp, observing(recorder.simulated), recorder, model_code_only():
             out = node.target(*args, **kwargs)
     except Exception as exc:
-        return _reason(exc)
+        if policy is not None:
+            return _record(node, env)
+        # Run at the real shapes, the body still failed: it reads tensor values, which only a real run has.
+        return f"{_reason(exc)}; {VALUES_HINT}"
     outs, out_spec = tree_flatten(out)
     if any(isinstance(o, torch.Tensor) and o not in known for o in outs):
         return "it returns a tensor the recording did not see made"
     sub.output(tree_unflatten([known[o] if isinstance(o, torch.Tensor) else o for o in outs], out_spec))
     if not _computes(sub):
         return NOTHING_INSIDE
-    return _splice(gm, node, sub, types.SimpleNamespace(**consts), inputs)
+    return sub, types.SimpleNamespace(**consts), inputs
 
 
-def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: list) -> fx.Node:
+def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: list,
+            recorded: bool = False) -> fx.Node:
     graph, depth = gm.graph, node.meta.get(DEPTH_KEY, 0) + 1
     val_map: dict = dict(zip((n for n in sub.nodes if n.op == "placeholder"), inputs))
     after = node.next
     with graph.inserting_before(after):
         for sn in sub.nodes:
-            if sn.op == "get_attr":          # a tensor the body built from constants (torch.tensor(-1e9))
+            if sn.op == "get_attr" and str(sn.target) not in sub_root.__dict__:
+                val_map[sn] = graph.get_attr(str(sn.target))     # gm's own: a weight of a module it was handed
+                val_map[sn].meta.update(sn.meta)
+            elif sn.op == "get_attr":        # a tensor the body built from constants (torch.tensor(-1e9))
                 name = _fresh_name(gm, "_ampaudit_inlined_const")
                 value = getattr(sub_root, str(sn.target))
                 if isinstance(value, torch.Tensor):   # not in state_dict: the model's checkpoints stay as they are
@@ -164,9 +226,10 @@ def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.Graph, sub_root, inputs: 
     module, caller_source = module_of(node), source_of(node)
     n = first
     while n is not after:
-        n.meta[MODULE_KEY] = module
+        n.meta[MODULE_KEY] = module_of(n) or module     # a module the body was handed keeps its own path
         n.meta[SOURCE_KEY] = n.meta.get(SOURCE_KEY) or caller_source
         n.meta[DEPTH_KEY] = depth
+        n.meta[RECORDED_KEY] = recorded or bool(n.meta.get(RECORDED_KEY))
         n = n.next
     _rewire(graph, node, out)
     graph.erase_node(node)

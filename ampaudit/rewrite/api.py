@@ -87,8 +87,8 @@ def fix(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     report = FixReport(target=target or type(original).__name__, policy=policy.describe(), before=aud.report,
                        calibrated=calibrate)
     # What check audits only at the example inputs' shapes, a rewrite that must hold for every input leaves alone.
-    report.notes += [f"{note}; its body is left as written (ampaudit check audits it at the example inputs' "
-                     "shapes)" for note in aud.opaque]
+    report.notes += [f"{note}; its body is left as written" + (" (ampaudit check audits it at the example inputs' "
+                     "shapes)" if note in aud.recordable else "") for note in aud.opaque]
     job = FixJob(gm=gm, work=work, aud=aud, findings=findings, report=report)
     options = {"pad": pad}
     changes: list[Any] = []

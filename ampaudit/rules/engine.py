@@ -142,6 +142,21 @@ def route_untraceable(findings: list[Finding]) -> None:
             f.fix = untraceable(f.fix, f.module)
 
 
+def route_recorded(findings: list[Finding], gm) -> None:
+    """Findings on the ops of a wrapped body recorded at the example inputs' shapes: ``fix -o`` leaves that body as
+    written (its rewrite must hold for every input), so their fix texts name the source edit (``fix --diff``)
+    instead, as for the top module's own ops ([recommend.untraceable_top])."""
+    from ampaudit.graph_meta import recorded
+    from ampaudit.policy import settings
+
+    names = {n.name for n in gm.graph.nodes if recorded(n)}
+    table = settings().get("recommend", {}).get("untraceable_top", {})
+    for f in findings:
+        if f.fix and f.node in names:
+            for phrase, instead in table.items():
+                f.fix = f.fix.replace(phrase.format(module=f.module), instead.format(module=f.module))
+
+
 def module_fixable(f: Finding) -> bool:
     """True when the fix of a model torch.fx cannot trace (ampaudit.rewrite.module_fix) covers ``f``: an island
     finding in a submodule (that module runs in fp32), a pad finding on a layer kind it pads
