@@ -8,6 +8,7 @@ runs the decision op, with the op's source line; worst share first.
 """
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Iterator
 
 from ampaudit.rules.matchers.calibrated import _source
@@ -15,7 +16,7 @@ from ampaudit.rules.registry import Hit, MatchContext, matcher
 from ampaudit.runtime.decisions import decision_limits, flagged
 
 
-@matcher("calibrated_decisions", fields={"share", "flipped", "decisions", "what", "source", "calls"})
+@matcher("calibrated_decisions", fields={"share", "flipped", "decisions", "what", "source", "at", "calls"})
 def calibrated_decisions(ctx: MatchContext, rule) -> Iterator[Hit]:
     cal = ctx.calibration
     if cal is None:
@@ -24,5 +25,15 @@ def calibrated_decisions(ctx: MatchContext, rule) -> Iterator[Hit]:
     rows = sorted((r for r in cal.decisions if flagged(r, limits)), key=lambda r: -r["share_flipped"])
     for row in rows:
         yield Hit(None, {"share": row["share_flipped"], "flipped": row["flipped"], "decisions": row["decisions"],
-                         "what": row["what"], "source": row["source"] or "?", "calls": row["calls"]},
+                         "what": row["what"], "source": row["source"] or "?", "at": _file_line(row["source"]),
+                         "calls": row["calls"]},
                   module=row["module"], op=row["op"], source=_source(row["source"]))
+
+
+def _file_line(source: str | None) -> str:
+    # The op's file by its name, for the message (the where column, JSON and ``source`` carry the path): a
+    # library's full path below site-packages made the message wrap, cut off mid-path.
+    if not source:
+        return "?"
+    path, sep, line = source.rpartition(":")
+    return f"{PurePath(path).name}:{line}" if sep and line.isdigit() else source
