@@ -90,13 +90,28 @@ MEASURED_FAMILIES = frozenset({"nonfinite", "range", "divergence", "swamping", "
 _CAPTURE_NAMES = {"fx": "torch.fx", "export": "torch.export", "dispatch": "dispatch-level recording"}
 
 
-def _capture_note(mode: str, note: str) -> str:
-    # An earlier capture mode failing is routine (fx cannot trace data-dependent slicing): say what ran, and that it
-    # covers the whole model, before why the first choice did not.
-    name, sep, why = note.partition(": ")
-    if sep and name in _CAPTURE_NAMES:
-        return f"audited the whole model through {_CAPTURE_NAMES[mode]} ({name} was not used: {why})"
-    return f"{_CAPTURE_NAMES[mode]}: {note}"
+def _capture_notes(mode: str, notes: list[str]) -> list[str]:
+    # An earlier capture mode failing is routine (fx cannot trace data-dependent slicing): say once what ran, and
+    # that it covers the whole model, then why each earlier choice did not, by the first sentence of its error
+    # (the rest is torch's advice on rewriting the model: "consider using data-dependent friendly APIs ...").
+    skipped, out = [], []
+    for note in notes:
+        name, sep, why = note.partition(": ")
+        if sep and name in _CAPTURE_NAMES:
+            skipped.append(f"{name} was not used: {_first_sentence(why)}")
+        else:
+            out.append(f"{_CAPTURE_NAMES[mode]}: {note}")
+    if skipped:
+        out.insert(0, f"audited the whole model through {_CAPTURE_NAMES[mode]} ({'; '.join(skipped)})")
+    return out
+
+
+def _first_sentence(text: str) -> str:
+    for end in (". ", ".\n"):
+        head, sep, _ = text.partition(end)
+        if sep and len(head) >= 20:
+            text = head
+    return text.rstrip(".")
 
 
 def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
@@ -171,7 +186,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         report.notes.extend(skipped)
         report.calibration = {"batches": ctx.calibration.batches, "origin": data.origin,
                               "backward": ctx.calibration.backward}
-    report.notes.extend(_capture_note(cap.mode, note) for note in cap.notes)
+    report.notes.extend(_capture_notes(cap.mode, list(cap.notes)))
     report.notes.extend(prop.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
