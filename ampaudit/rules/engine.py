@@ -67,7 +67,8 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     fix_text = variant.get("fix", rule.fix)
     try:
         message = variant.get("message", rule.message).format(**fields)
-        fix = fix_text.format(**fields) if fix_text else None
+        fix = _top_module_words(fix_text.format(**fields)) if fix_text and module == "" else \
+            (fix_text.format(**fields) if fix_text else None)
         why = variant.get("why", rule.why).format(**fields)
     except (KeyError, ValueError, IndexError) as exc:
         raise RuleError(f"{rule.origin}: rule {rule.id}: cannot fill its message: {exc}",
@@ -78,6 +79,16 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
                    location=location_of(src) if src else None, details=dict(hit.details),
                    code=src.code if src else "", node=node.name if node is not None else None,
                    autofix=dict(rule.autofix), fix_nodes=[n.name for n in hit.also])
+
+
+def _top_module_words(fix: str) -> str:
+    # A fix that names the top module ("keep  in fp32", keep_fp32(model, [''])) would keep the whole model in fp32:
+    # its own ops are what to compute in fp32 (rules/policy/settings.toml [recommend.top]).
+    from ampaudit.policy import settings
+
+    for phrase, instead in settings().get("recommend", {}).get("top", {}).items():
+        fix = fix.replace(phrase, instead)
+    return fix
 
 
 def location_of(src: SourceLoc) -> dict:
