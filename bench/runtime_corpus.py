@@ -3,6 +3,7 @@
     .venv-bench/bin/python bench/runtime_corpus.py --families transformers             # 22 tiny HF configs
     .venv-bench/bin/python bench/runtime_corpus.py --families torchvision-cls --limit 20 --json rt.json
     .venv-bench/bin/python bench/runtime_corpus.py --models bert,gpt2 --families transformers --steps 5
+    .venv-bench/bin/python bench/runtime_corpus.py --families torchvision-seg --batch 2     # BatchNorm in training mode
 
 For each corpus model (bench/coverage_models.py: real torchvision, timm and transformers architectures, random
 init, their own example inputs) the script trains it a few steps (``--steps``, default 3) the way a user's loop
@@ -53,6 +54,25 @@ def loss_of(out):
     if not leaves:
         raise ValueError("the model's output has no floating tensor that requires grad")
     return sum(t.float().mean() for t in leaves)
+
+
+def batched(value, batch: int):
+    """``value`` (the example inputs, any nesting) with each tensor of leading size 1 made ``batch`` long: floating
+    ones with fresh samples of the same mean and spread, others (token ids, masks) repeated. Training-mode
+    BatchNorm needs more than one value per channel (DeepLab's pooled ASPP branch), and a one-sample batch's
+    statistics make artifacts (an exact-zero mean) no real batch has."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def grow(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != 1 or batch <= 1:
+            return t
+        if not t.is_floating_point():
+            return t.repeat(batch, *([1] * (t.dim() - 1)))
+        g = torch.Generator().manual_seed(0)
+        extra = torch.randn((batch - 1, *t.shape[1:]), generator=g, dtype=torch.float32)
+        return torch.cat([t, (extra * t.float().std() + t.float().mean()).to(t.dtype)])
+    return tree_map(grow, value)
 
 
 def train_watched(model, args: tuple, kwargs: dict, trace: Path, steps: int) -> None:
@@ -127,7 +147,7 @@ def _keep_fp32_reasons(rec: dict, culprits: dict) -> list[tuple[str, str]]:
     return out
 
 
-def run_one(spec: dict, steps: int, work: Path) -> dict:
+def run_one(spec: dict, steps: int, work: Path, batch: int = 1) -> dict:
     """Build, train under the watch and report one model in this process: a row with ``counts`` and ``warnings``
     (or ``error``)."""
     import torch
@@ -141,7 +161,8 @@ def run_one(spec: dict, steps: int, work: Path) -> dict:
     try:
         built = build(spec, "cpu")
         trace = work / f"{spec['family']}_{spec['name']}.jsonl".replace("/", "_")
-        train_watched(built.model, built.args, built.kwargs, trace, steps)
+        args, kwargs = batched((tuple(built.args), dict(built.kwargs)), batch)
+        train_watched(built.model, args, kwargs, trace, steps)
         summary = summarize_trace(trace)
     except Exception as exc:  # noqa: BLE001 - a model that cannot run is a row with its reason
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -157,12 +178,12 @@ def run_one(spec: dict, steps: int, work: Path) -> dict:
     return row
 
 
-def run_isolated(spec: dict, steps: int, timeout: float, work: Path) -> dict:
+def run_isolated(spec: dict, steps: int, timeout: float, work: Path, batch: int = 1) -> dict:
     """``run_one`` in a child process, killed after ``timeout`` seconds."""
     out = work / "row.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", f"{spec['family']}:{spec['name']}",
-           "--steps", str(steps), "--row", str(out)]
+           "--steps", str(steps), "--batch", str(batch), "--row", str(out)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
     except subprocess.TimeoutExpired:
@@ -197,6 +218,8 @@ def parse_args(argv):
     p.add_argument("--limit", type=int, default=None, help="at most this many models per family")
     p.add_argument("--timm-count", type=int, default=160)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1, help="grow inputs of batch 1 to this many samples (BatchNorm in "
+                   "training mode needs more than one value per channel)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per model")
     p.add_argument("--json", type=Path, default=None, help="write the rows and the table here")
     p.add_argument("--one", help=argparse.SUPPRESS)     # family:name, run in this process (the child)
@@ -211,7 +234,7 @@ def main(argv=None) -> int:
     if args.one:
         family, name = args.one.split(":", 1)
         with tempfile.TemporaryDirectory() as tmp:
-            row = run_one({"family": family, "name": name}, args.steps, Path(tmp))
+            row = run_one({"family": family, "name": name}, args.steps, Path(tmp), args.batch)
         args.row.write_text(json.dumps(row))
         return 0
     from coverage import select
@@ -220,7 +243,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, spec in enumerate(specs, 1):
-            row = run_isolated(spec, args.steps, args.timeout, Path(tmp))
+            row = run_isolated(spec, args.steps, args.timeout, Path(tmp), args.batch)
             rows.append(row)
             words = row.get("error") or (", ".join(f"{w['kind']} {w['module']}" for w in row["warnings"]) or "quiet")
             print(f"[{i}/{len(specs)}] {row['family']}/{row['model']}: {words}"

@@ -78,3 +78,15 @@ def test_loss_is_the_mean_of_the_float_outputs_that_need_grad():
     out = {"a": w * 2, "b": (w * 4, torch.arange(3)), "c": None}
     assert rc.loss_of(out).item() == 6.0
     assert len(float_tensors(out)) == 2                      # the watch's own reading of outputs
+
+
+def test_batched_grows_one_sample_inputs_and_keeps_the_first():
+    x, ids = torch.randn(1, 3, 8, 8) * 5 + 2, torch.tensor([[1, 2, 3]])
+    (bx, bids), kw = rc.batched(((x, ids), {"mask": torch.ones(1, 3, dtype=torch.bool), "n": 4}), 3)
+    assert bx.shape == (3, 3, 8, 8) and torch.equal(bx[0], x[0]) and not torch.equal(bx[1], x[0])
+    assert abs(bx[1:].std().item() - x.std().item()) < 0.5 * x.std().item()     # fresh samples, the same spread
+    assert torch.equal(bids, ids.repeat(3, 1)) and kw["mask"].shape == (3, 3) and kw["n"] == 4
+    # A training-mode BatchNorm over a pooled 1 x 1 map (DeepLab's ASPP) refuses one sample and takes these.
+    bn = nn.BatchNorm2d(3).train()
+    bn(nn.functional.adaptive_avg_pool2d(bx, 1))
+    assert rc.batched((x,), 1)[0] is x
