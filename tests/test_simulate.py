@@ -328,7 +328,10 @@ def test_static_audit_dtypes_match_the_simulation(path, dtype):
     wrong = {n.name: (n.format_node(), str(n.meta[AMP_KEY].dtype), str(rec.dtypes[n.name])) for n in compared
              if n.meta[AMP_KEY].dtype != rec.dtypes[n.name]}
     assert compared and not wrong, wrong
-    assert any(n.op == "call_module" for n in compared) or path.name == "misaligned_mlp.py"
+    # Leaf modules' outputs are compared where the capture keeps them as modules (fx; an export has no call_module:
+    # gated_recurrence_bf16's scan over range(T) defeats fx).
+    assert any(n.op == "call_module" for n in compared) or path.name == "misaligned_mlp.py" \
+        or result.capture.mode != "fx"
 
 
 # -- the static audit's dtype for each way of reaching an op, against the simulation's ---------------------------
