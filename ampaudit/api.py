@@ -23,7 +23,7 @@ from ampaudit.capture import Capture, capture_any
 from ampaudit.errors import UsageError
 from ampaudit.findings import Report
 from ampaudit.policy import Policy
-from ampaudit.rules.engine import relative_location, route_recorded, route_untraceable, run_rules
+from ampaudit.rules.engine import relative_location, route_fixes, run_rules
 from ampaudit.rules.loader import load_rules, rule_selected, validate_selectors
 from ampaudit.rules.registry import MatchContext
 from ampaudit.notes import collect
@@ -165,10 +165,7 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     finally:
         restore()
     findings, suppressed = run_rules(ctx, active)
-    if cap.mode != "fx":
-        route_untraceable(findings)
-    else:
-        route_recorded(findings, cap.gm)
+    route_fixes(findings, cap.mode, cap.gm)
     if base_dir is not None:
         for f in findings:
             relative_location(f, Path(base_dir))

@@ -28,3 +28,19 @@ def test_on_a_model_fx_cannot_trace_the_top_modules_fix_is_the_source_edit():
            "fp32 island), or find the op with ampaudit check --calibrate --select nonfinite")
     routed = untraceable(fix, "")
     assert "keep_fp32" not in routed and "ampaudit fix --diff makes that edit in your source" in routed
+
+
+def test_a_library_lines_fix_names_the_users_edit_not_fix_diff():
+    # fix never edits an installed library's file: "fix --diff makes that edit" would run and change nothing.
+    from ampaudit.findings import Finding
+    from ampaudit.rules.engine import route_library
+
+    text = ("compute the top module's own ops at this line in fp32 (ampaudit fix --diff makes that edit in your "
+            "source), or find the op with ampaudit check --calibrate --select nonfinite")
+    lib = Finding(rule="AMP701", name="n", family="divergence", severity="warning", module="", op="", message="m",
+                  fix=text, location={"file": "torchvision/models/detection/transform.py", "line": 308, "library": True})
+    own = Finding(rule="AMP701", name="n", family="divergence", severity="warning", module="", op="", message="m",
+                  fix=text, location={"file": "model.py", "line": 3})
+    route_library([lib, own])
+    assert "fix --diff" not in lib.fix and "a subclass of the module or a copy of its forward" in lib.fix
+    assert own.fix == text

@@ -168,6 +168,29 @@ def route_recorded(findings: list[Finding], gm) -> None:
                 f.fix = f.fix.replace(phrase.format(module=f.module), instead.format(module=f.module))
 
 
+def route_fixes(findings: list[Finding], capture_mode: str, gm) -> None:
+    """Each finding's fix text as the capture and the line allow: what runs on a model fx cannot trace
+    (:func:`route_untraceable`), on a wrapped body recorded at the example shapes (:func:`route_recorded`), on a
+    library's line (:func:`route_library`)."""
+    if capture_mode != "fx":
+        route_untraceable(findings)
+    else:
+        route_recorded(findings, gm)
+    route_library(findings)
+
+
+def route_library(findings: list[Finding]) -> None:
+    """Findings on an installed library's line: the fix texts that name ``fix --diff`` (which never edits a library's
+    file) name the edit the user can make instead (rules/policy/settings.toml [recommend.library])."""
+    from ampaudit.policy import settings
+
+    table = settings().get("recommend", {}).get("library", {})
+    for f in findings:
+        if f.fix and f.library:
+            for phrase, instead in table.items():
+                f.fix = f.fix.replace(phrase, instead)
+
+
 def module_fixable(f: Finding) -> bool:
     """True when the fix of a model torch.fx cannot trace (ampaudit.rewrite.module_fix) covers ``f``: an island
     finding in a submodule (that module runs in fp32), a pad finding on a layer kind it pads
