@@ -67,8 +67,7 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
     fix_text = variant.get("fix", rule.fix)
     try:
         message = variant.get("message", rule.message).format(**fields)
-        fix = _top_module_words(fix_text.format(**fields)) if fix_text and module == "" else \
-            (fix_text.format(**fields) if fix_text else None)
+        fix = fix_text.format(**fields) if fix_text else None
         why = variant.get("why", rule.why).format(**fields)
     except (KeyError, ValueError, IndexError) as exc:
         raise RuleError(f"{rule.origin}: rule {rule.id}: cannot fill its message: {exc}",
@@ -79,16 +78,6 @@ def _finding(ctx: MatchContext, rule: Rule, hit: Hit) -> Finding:
                    location=location_of(src) if src else None, details=dict(hit.details),
                    code=src.code if src else "", node=node.name if node is not None else None,
                    autofix=dict(rule.autofix), fix_nodes=[n.name for n in hit.also])
-
-
-def _top_module_words(fix: str) -> str:
-    # A fix that names the top module ("keep  in fp32", keep_fp32(model, [''])) would keep the whole model in fp32:
-    # its own ops are what to compute in fp32 (rules/policy/settings.toml [recommend.top]).
-    from ampaudit.policy import settings
-
-    for phrase, instead in settings().get("recommend", {}).get("top", {}).items():
-        fix = fix.replace(phrase, instead)
-    return fix
 
 
 def location_of(src: SourceLoc) -> dict:
@@ -137,11 +126,19 @@ def untraceable(text: str, module: str | None) -> str:
     from ampaudit.policy import settings
 
     name = "<module>" if module is None else module       # keep_fp32(model, ['']) is the whole model
-    tables = settings().get("recommend", {})
     # The top module's own ops ("" names it; None: not known) are better fixed in the source than all in fp32.
     for table in (["untraceable_top"] if module == "" else []) + ["untraceable"]:
-        for phrase, instead in tables.get(table, {}).items():
-            text = text.replace(phrase.format(module=name), instead.format(module=name))
+        text = reworded(text, table, name)
+    return text
+
+
+def reworded(text: str, table: str, module: str = "") -> str:
+    """``text`` with each phrase of rules/policy/settings.toml ``[recommend.<table>]`` replaced by its wording
+    (``{module}`` in either filled with ``module``)."""
+    from ampaudit.policy import settings
+
+    for phrase, instead in settings().get("recommend", {}).get(table, {}).items():
+        text = text.replace(phrase.format(module=module), instead.format(module=module))
     return text
 
 
@@ -158,20 +155,21 @@ def route_recorded(findings: list[Finding], gm) -> None:
     written (its rewrite must hold for every input), so their fix texts name the source edit (``fix --diff``)
     instead, as for the top module's own ops ([recommend.untraceable_top])."""
     from ampaudit.graph_meta import recorded
-    from ampaudit.policy import settings
 
     names = {n.name for n in gm.graph.nodes if recorded(n)}
-    table = settings().get("recommend", {}).get("untraceable_top", {})
     for f in findings:
         if f.fix and f.node in names:
-            for phrase, instead in table.items():
-                f.fix = f.fix.replace(phrase.format(module=f.module), instead.format(module=f.module))
+            f.fix = reworded(f.fix, "untraceable_top", f.module)
 
 
 def route_fixes(findings: list[Finding], capture_mode: str, gm) -> None:
-    """Each finding's fix text as the capture and the line allow: what runs on a model fx cannot trace
+    """Each finding's fix text as the module, the capture and the line allow: on the top module's own ops (which a
+    fix naming "the module" would keep in fp32 as the whole model: [recommend.top]), on a model fx cannot trace
     (:func:`route_untraceable`), on a wrapped body recorded at the example shapes (:func:`route_recorded`), on a
     library's line (:func:`route_library`)."""
+    for f in findings:
+        if f.fix and f.module == "":
+            f.fix = reworded(f.fix, "top")
     if capture_mode != "fx":
         route_untraceable(findings)
     else:
@@ -182,13 +180,9 @@ def route_fixes(findings: list[Finding], capture_mode: str, gm) -> None:
 def route_library(findings: list[Finding]) -> None:
     """Findings on an installed library's line: the fix texts that name ``fix --diff`` (which never edits a library's
     file) name the edit the user can make instead (rules/policy/settings.toml [recommend.library])."""
-    from ampaudit.policy import settings
-
-    table = settings().get("recommend", {}).get("library", {})
     for f in findings:
         if f.fix and f.library:
-            for phrase, instead in table.items():
-                f.fix = f.fix.replace(phrase, instead)
+            f.fix = reworded(f.fix, "library")
 
 
 def module_fixable(f: Finding) -> bool:
