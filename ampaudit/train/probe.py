@@ -29,7 +29,7 @@ from ampaudit.policy import Policy
 from ampaudit.runtime.replay_state import float_tensors, model_device, rng_snapshot
 from ampaudit.simulate import target_autocast
 from ampaudit.train.masters import LOW_PRECISION, cast_model_o2, check_opt_level, o2_mastered
-from ampaudit.train.probe_loop import stores_trainable_low, user_loop_events
+from ampaudit.train.probe_loop import user_loop_events
 
 # A forward of the copy that fails is a note, not an error: the calibration itself already ran the model.
 _FAILED = (RuntimeError, TypeError, ValueError, IndexError)
@@ -149,7 +149,7 @@ def train_events(model: nn.Module, policy: Policy, hooks: TrainHooks, *, steps: 
                          hint="use dtype=float16 or bfloat16 with train_steps")
     train_data, loss_fn, words = _data(hooks, example)
     device_type = device_type or model_device(model)
-    if check_opt_level(opt_level) == "O1" and stores_trainable_low(model):
+    if check_opt_level(opt_level) == "O1" and o2_mastered(model):     # trainable fp16/bf16 weights, no master
         events, done = user_loop_events(model, policy, train_data, loss_fn, hooks, steps=steps,
                                         device_type=device_type)
         ended = "" if done >= steps else f"; the data ran out after {done} step(s)"

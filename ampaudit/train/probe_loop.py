@@ -6,7 +6,7 @@ directly, and that is what the check must measure. A copy trains N steps as such
 a :class:`~ampaudit.runtime.session.WatchSession` in memory sampling every step (the swamping meter sees the
 weights, and the optimizer's states, that no master covers).
 
-    if stores_trainable_low(model):
+    if masters.o2_mastered(model):      # trainable fp16/bf16 weights: what O2 would master, O1 refuses
         events, note = user_loop_events(model, policy, train_data, loss_fn, hooks, steps=34)
 """
 from __future__ import annotations
@@ -23,19 +23,8 @@ from ampaudit.dtypes import name_of
 from ampaudit.policy import Policy
 from ampaudit.runtime.replay_state import rng_snapshot
 from ampaudit.simulate import target_autocast
-from ampaudit.train.masters import LOW_PRECISION
+from ampaudit.train.data import split_batch
 from ampaudit.train.setup import build_optimizer
-
-
-def stores_trainable_low(model: nn.Module) -> bool:
-    """Whether ``model`` holds a trainable parameter in fp16/bf16 (the Trainer's O1 refuses it)."""
-    return any(p.requires_grad and p.dtype in LOW_PRECISION for p in model.parameters())
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
 
 
 def user_loop_events(model: nn.Module, policy: Policy, train_data: Callable, loss_fn: Callable, hooks: Any, *,
@@ -55,11 +44,12 @@ def user_loop_events(model: nn.Module, policy: Policy, train_data: Callable, los
         session.start(twin, dtype=policy.low, source="check", meta={"target": "check --calibrate --train-steps",
                                                                    "dtype": name_of(policy.low), "loop": "user"})
         session.measure_updates(optimizer=opt, names={id(p): n for n, p in twin.named_parameters()})
-        for step, (inputs, target) in enumerate(itertools.islice(train_data(), steps), 1):
+        for step, batch in enumerate(itertools.islice(train_data(), steps), 1):
+            args, kwargs, target = split_batch(batch, torch.device(device_type))    # as the Trainer reads it
             session.begin_step(step)
             with torch.autocast(device_type, dtype=policy.low), target_autocast(policy, device_type,
                                                                                  enter_autocast=False):
-                out = _call(twin, inputs)
+                out = twin(*args, **kwargs)
             loss = loss_fn(out, target)
             loss.backward()
             session.before_optimizer_step()
@@ -77,4 +67,4 @@ def user_loop_events(model: nn.Module, policy: Policy, train_data: Callable, los
     return events, done
 
 
-__all__ = ["stores_trainable_low", "user_loop_events"]
+__all__ = ["user_loop_events"]
