@@ -59,32 +59,22 @@ HALF_MODEL = "half model (O2)"      # EXPECT["fails_in"] of a fault only the hal
 USER_LOOP = "user loop"             # EXPECT["fails_in"] of weights stored in fp16/bf16, which ampaudit train refuses
 WATCH_STEPS = 3
 
-# A user's loop on the half model: the file's train_data and loss_fn, SGD, every step sampled.
+# A user's loop, every step sampled, on the file's train_data and loss_fn. ``half``: on the half model
+# (model.half(), half inputs, SGD); a dtype name: on the model as the file stores it (bf16 weights, no FP32
+# master), the file's optimizer, under that autocast.
 _WATCH_LOOP = '''import itertools, runpy, sys, torch
 from torch.utils._pytree import tree_map
 import ampaudit
 m = runpy.run_path(sys.argv[1])
-model = m["build_model"]().half().train()
-opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-half = lambda t: t.half() if torch.is_tensor(t) and t.is_floating_point() else t
+half = sys.argv[4] == "half"
+model = (m["build_model"]().half() if half else m["build_model"]()).train()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3) if half else m["make_optimizer"](model.parameters())
+cast = lambda t: t.half() if half and torch.is_tensor(t) and t.is_floating_point() else t
 with ampaudit.watch(model, sys.argv[2], every=1) as w:
     for inputs, target in itertools.islice(m["train_data"](), int(sys.argv[3])):
-        inputs = tree_map(half, inputs if isinstance(inputs, (tuple, list, dict)) else (inputs,))
-        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-        m["loss_fn"](out, target).backward()
-        opt.step(); opt.zero_grad()
-'''
-
-# A user's loop on the model as the file stores it (bf16 weights, no FP32 master): its optimizer, autocast.
-_USER_LOOP = '''import itertools, runpy, sys, torch
-import ampaudit
-m = runpy.run_path(sys.argv[1])
-model = m["build_model"]().train()
-opt = m["make_optimizer"](model.parameters())
-with ampaudit.watch(model, sys.argv[2], every=1) as w:
-    for inputs, target in itertools.islice(m["train_data"](), int(sys.argv[3])):
-        with torch.autocast("cpu", dtype=getattr(torch, sys.argv[4])):
-            out = model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+        inputs = tree_map(cast, inputs if isinstance(inputs, (tuple, list, dict)) else (inputs,))
+        with torch.autocast("cpu", dtype=getattr(torch, sys.argv[4]), enabled=not half):
+            out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
         m["loss_fn"](out, target).backward()
         opt.step(); opt.zero_grad()
 '''
@@ -154,9 +144,9 @@ def run_trace(path: Path, expect: dict, work: Path, twin: dict | None = None) ->
         if (twin or {}).get(key) is not None:
             cmd += [f"--{key}", str(twin[key])]
     if expect.get("fails_in") == HALF_MODEL:
-        cmd = [sys.executable, "-c", _WATCH_LOOP, str(model_file), str(trace), str(WATCH_STEPS)]
+        cmd = [sys.executable, "-c", _WATCH_LOOP, str(model_file), str(trace), str(WATCH_STEPS), "half"]
     elif expect.get("fails_in") == USER_LOOP and twin is None:
-        cmd = [sys.executable, "-c", _USER_LOOP, str(model_file), str(trace), str(TRAINING_STEPS), target["dtype"]]
+        cmd = [sys.executable, "-c", _WATCH_LOOP, str(model_file), str(trace), str(TRAINING_STEPS), target["dtype"]]
     env = {**os.environ, "COLUMNS": "200"}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     row = {"train_rc": run.returncode}
