@@ -33,6 +33,7 @@ class GraphModulePaths:
         # forward's code object -> (the GraphModule's path, forward's first line, line -> node index, node metas)
         self._codes: dict[types.CodeType, tuple] = {}
         self._kept: dict[str, set[str]] = {}       # GraphModule path -> the submodule paths it holds
+        self._by_file: dict[str, tuple] = {}        # forward's file -> the same entry, for of_stack
         if not isinstance(root, nn.Module):
             return
         for path, module in root.named_modules():
@@ -41,6 +42,7 @@ class GraphModulePaths:
             if lines and code is not None:
                 self._codes[code] = (path, code.co_firstlineno, lines, [n.meta for n in module.graph.nodes])
                 self._kept[path] = {name for name, _ in module.named_modules()}
+        self._by_file = {code.co_filename: entry for code, entry in self._codes.items()}
 
     def of_running(self, module: str, frame: types.FrameType | None) -> tuple[str, str | None]:
         """``module`` (the running module's path), made the recorded owner of the op that ``frame``'s stack runs
@@ -64,9 +66,8 @@ class GraphModulePaths:
         module for a GraphModule it runs nested, and reads the top one's own meta)."""
         if not self._codes or not stack:
             return module
-        by_file = {code.co_filename: entry for code, entry in self._codes.items()}
         for filename, line in reversed(_FRAME_RE.findall(stack)):
-            entry = by_file.get(filename)
+            entry = self._by_file.get(filename)
             if entry is None:
                 continue
             path, first, lines, metas = entry
