@@ -128,6 +128,31 @@ def timing_table(rows: list[dict]) -> list[list[str]]:
     return lines
 
 
+CPU_COLUMNS = ("family", "timed", "median check CPU s", "worst check CPU s", "over 10 CPU s",
+               "median / worst calibrate CPU s")
+
+
+def cpu_table(rows: list[dict]) -> list[list[str]]:
+    """Per family, the CPU seconds (every thread of the worker) of each completed check and calibration: the
+    numbers that hold on a loaded machine, where wall seconds grow with the load. Checks over 10 s are named."""
+    lines = []
+    groups = [(f, [r for r in rows if r["family"] == f]) for f in FAMILIES]
+    for name, group in [g for g in groups if g[1]] + [("all", rows)]:
+        timed = sorted(((r["cpu"]["ampaudit"], r["model"]) for r in group
+                        if r["eager"] and r["ampaudit"] and "ampaudit" in r.get("cpu", {})), reverse=True)
+        cal = sorted(r["cpu"]["calibrate"] for r in group
+                     if (r.get("detail") or {}).get("calibrate") and "calibrate" in r.get("cpu", {}))
+        if not timed and not cal:
+            continue
+        secs = [t for t, _ in timed]
+        slow = [f"{m} {t:.1f}" for t, m in timed if t > 10.0]
+        lines.append([name, str(len(timed)), f"{statistics.median(secs):.2f}" if secs else "-",
+                      f"{secs[0]:.2f} ({timed[0][1]})" if secs else "-",
+                      (", ".join(slow[:4]) + (f" +{len(slow) - 4}" if len(slow) > 4 else "")) or "none",
+                      f"{statistics.median(cal):.1f} / {cal[-1]:.1f}" if cal else "-"])
+    return lines
+
+
 def _reason(error: str) -> str:
     """An eager error with its model-specific parts (numbers, quoted names, shapes) blanked, to group by."""
     last = error.split(" | ")[-1].split(": ", 1)[-1]        # the CPU attempt's, without the device prefix
@@ -293,11 +318,11 @@ def merge(paths: list[Path]) -> list[dict]:
             for stage in (*STAGES, "calibrate"):
                 if row.get(stage) is not None:
                     old[stage] = row[stage]
-                    for part in ("seconds", "errors"):
-                        if stage in row[part]:
-                            old[part][stage] = row[part][stage]
+                    for part in ("seconds", "cpu", "errors"):
+                        if stage in row.get(part, {}):
+                            old.setdefault(part, {})[stage] = row[part][stage]
                         elif stage != "eager":
-                            old[part].pop(stage, None)
+                            old.get(part, {}).pop(stage, None)
             old.setdefault("detail", {}).update(row.get("detail") or {})
             if row.get("capture"):
                 old["capture"] = row["capture"]
@@ -314,6 +339,9 @@ def summarize(rows: list[dict], *, markdown: bool, head: str, found: dict | None
     if static:
         print()
         print(render(TIMING_COLUMNS, timing_table(rows), markdown))
+    if cpu_table(rows):
+        print()
+        print(render(CPU_COLUMNS, cpu_table(rows), markdown))
     failed = build_failures(rows)
     if failed:
         print(f"\n{sum(g[0] for g in failed)} model(s) whose eager forward did not run, by reason:")

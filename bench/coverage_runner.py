@@ -204,13 +204,14 @@ def worker_main(conn, threads: int, families: tuple[str, ...] | None = None) -> 
         for stage in [s for s in stages if s != "eager"]:
             if built is None:
                 break
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 with _quiet():
                     result = _STAGE_FNS[stage](built)
             except Exception as exc:
                 result = {"ok": False, "error": _short(exc)}
-            result["seconds"] = time.perf_counter() - start
+            # Wall seconds carry the machine's load; the process's CPU seconds (every thread) mostly do not.
+            result["seconds"], result["cpu_seconds"] = time.perf_counter() - start, time.process_time() - cpu
             conn.send((stage, result))
         conn.send(("done", None))
 
@@ -239,7 +240,8 @@ class _Worker:
 
 def _new_row(spec: dict) -> dict:
     return {"family": spec["family"], "model": spec["name"], "device": None,
-            **{s: None for s in (*STAGES, "audit", "calibrate")}, "capture": None, "findings": None, "seconds": {}, "errors": {},
+            **{s: None for s in (*STAGES, "audit", "calibrate")}, "capture": None, "findings": None, "seconds": {}, "cpu": {},
+            "errors": {},
             "notes": []}
 
 
@@ -247,6 +249,8 @@ def _record(row: dict, stage: str, result: dict) -> None:
     row[stage] = bool(result.get("ok"))
     if "seconds" in result:
         row["seconds"][stage] = round(result["seconds"], 3)
+    if "cpu_seconds" in result:
+        row.setdefault("cpu", {})[stage] = round(result["cpu_seconds"], 3)
     if result.get("error"):
         row["errors"][stage] = result["error"]
     if stage == "eager" and result.get("ok"):

@@ -224,3 +224,13 @@ def test_merge_lays_a_calibration_pass_over_the_static_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "check --calibrate completed on 1/1 models" in out and "torch x" in out
     assert "alarm (calibrate): diffusers/a: AMP301 warning head: softmax in fp16" in out
+
+
+def test_cpu_table_reads_each_check_s_cpu_seconds_and_names_the_slow_ones():
+    rows = [_timed("diffusers", m, "export", 1.0, 1.0) for m in "abc"]
+    for row, cpu in zip(rows, (2.0, 14.5, 3.0)):
+        row["cpu"] = {"ampaudit": cpu}
+    rows.append(_timed("diffusers", "d", "export", 1.0, 1.0))      # a run from before CPU seconds were kept
+    line = {l[0]: l for l in cov.cpu_table(rows)}["diffusers"]
+    assert line == ["diffusers", "3", "3.00", "14.50 (b)", "b 14.5", "-"]
+    assert cov.cpu_table([rows[3]]) == []
