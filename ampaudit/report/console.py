@@ -1,7 +1,9 @@
 """Rich console rendering of a check report: one row per group of repeated findings (``report.groups``), worst
-first, then in execution order.
+first, then in execution order. Errors and warnings are in full, infos one line each (``verbose``: in full); a fix
+clause that rows share is one footnote (ampaudit.report.fix_notes). JSON, SARIF and GitHub output keep everything.
 
     render_report(report, console)
+    render_report(report, console, show_why=True, verbose=True)     # check --why --verbose
 """
 from __future__ import annotations
 
@@ -19,8 +21,7 @@ _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 def render_report(report: Report, console: Console, *, show_why: bool = False, verbose: bool = False) -> None:
-    """The table of ``report``'s groups: errors and warnings in full, infos one line each (``verbose``: in full
-    too); a fix clause that rows share is a footnote under the table (ampaudit.report.fix_notes)."""
+    """The table of ``report``'s groups, its footnotes, the summary line and the report's notes."""
     pol = report.policy
     console.print(Text.assemble(("ampaudit check ", "bold"), f"{report.target} ",
                                 (f"[{pol['device']} {pol['dtype']} autocast, captured by {report.capture}]", "dim")))
@@ -29,8 +30,8 @@ def render_report(report: Report, console: Console, *, show_why: bool = False, v
     groups = group_findings(report.findings)
     order = {id(g): i for i, g in enumerate(groups)}
     groups.sort(key=lambda g: (-SEVERITY_RANK[g.severity], order[id(g)]))
-    full = [g for g in groups if verbose or g.severity != "info"]
-    notes = FixNotes.of([g.findings[0].fix for g in full if g.findings[0].fix])
+    one_line = {id(g) for g in groups if g.severity == "info" and not verbose}
+    notes = FixNotes.of([g.findings[0].fix for g in groups if id(g) not in one_line and g.findings[0].fix])
     if groups:
         table = Table(show_lines=False, expand=True, box=None, padding=(0, 1))
         table.add_column("sev", no_wrap=True)
@@ -41,12 +42,8 @@ def render_report(report: Report, console: Console, *, show_why: bool = False, v
         table.add_column("where (library)" if every_library else "where", no_wrap=True)
         table.add_column("finding", ratio=1)
         for g in groups:
-            locs = g.locations
-            where = (_where(locs[0]).removesuffix(" (library)") if every_library else _where(locs[0])) if locs else "-"
-            if len(locs) > 1:
-                where += f" +{len(locs) - 1}"
-            body = _body(g, notes, show_why) if g in full else _line(g)
-            table.add_row(Text(g.severity, style=_STYLE[g.severity]), g.rule, where, body)
+            body = _line(g) if id(g) in one_line else _body(g, notes, show_why)
+            table.add_row(Text(g.severity, style=_STYLE[g.severity]), g.rule, _where_cell(g, every_library), body)
         console.print(table)
     for n, text in enumerate(notes.footnotes, 1):
         console.print(Text(f"[{n}] {text}", style="dim"))
@@ -56,7 +53,7 @@ def render_report(report: Report, console: Console, *, show_why: bool = False, v
     if s["suppressed"]:
         line += f"; {s['suppressed']} suppressed by '# ampaudit: ignore'"
     console.print(Text(line, style="bold"))
-    hint = _hint(groups, len(groups) - len(full))
+    hint = _hint(groups, len(one_line))
     if hint:
         console.print(Text(hint, style="dim"))
     for note in report.notes:
@@ -86,6 +83,17 @@ def _body(g: Group, notes: FixNotes, show_why: bool) -> Text:
     if show_why and first.why:
         body.append(f"\nwhy: {first.why}", style="dim italic")
     return body
+
+
+def _where_cell(g: Group, every_library: bool) -> str:
+    """The group's first line, ``+N`` for its others (spelled out in its body)."""
+    locs = g.locations
+    if not locs:
+        return "-"
+    where = _where(locs[0])
+    if every_library:
+        where = where.removesuffix(" (library)")
+    return where + (f" +{len(locs) - 1}" if len(locs) > 1 else "")
 
 
 def _hint(groups: list[Group], one_line: int) -> str:
