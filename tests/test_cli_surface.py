@@ -30,7 +30,7 @@ def test_version_prints_the_installed_version():
 
 @pytest.mark.parametrize("args, says", [
     (("check",), "Missing argument 'target'; see 'ampaudit check --help'"),
-    (("check", "model.py", "--bogus"), "No such option: --bogus; see 'ampaudit check --help'"),
+    (("check", "model.py", "--xyzzy"), "No such option: --xyzzy; see 'ampaudit check --help'"),
     (("nosuchcommand",), "see 'ampaudit --help'"),
 ])
 @pytest.mark.slow

@@ -195,10 +195,12 @@ def test_the_table_and_json_mark_the_library_line(library_report):
 
     console = Console(record=True, width=200)
     render_report(library_report, console)
-    # The table names the package and the file (the full path would widen its column and wrap every message);
-    # JSON and the plain-text findings keep the full path below site-packages.
+    # The table names the package and the file (the full path would widen its column and wrap every message),
+    # every line here a library's, so its header says "(library)" once; JSON and the plain-text findings keep the
+    # full path below site-packages.
     shown = console.export_text()
-    assert f"tinymodels/.../net.py:{_line(NET, 'FC_LINE')} (library)" in shown and FILE not in shown
+    assert f"tinymodels/.../net.py:{_line(NET, 'FC_LINE')}" in shown and FILE not in shown
+    assert "where (library)" in shown and shown.count("(library)") == 1
     assert f"{FILE}:{_line(NET, 'FC_LINE')} (library)" in format_findings(library_report.findings, width=200)
     data = json.loads(json.dumps(library_report.to_dict()))
     assert data["version"] == "1.2"

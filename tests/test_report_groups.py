@@ -53,6 +53,10 @@ def test_one_row_per_group_and_every_finding_in_json():
     console = Console(width=120, file=io.StringIO(), color_system=None)
     render_report(report, console)
     text = console.file.getvalue()
+    assert text.count("AMP301") == 1 and "12x batch_norm" in text      # an info: one line, with its count
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    render_report(report, console, verbose=True)
+    text = console.file.getvalue()
     assert text.count("AMP301") == 1 and "12x in stages.*.*.bn (12 modules)" in text
     data = report.to_dict()
     assert len(data["findings"]) == len(report.findings)
@@ -100,6 +104,6 @@ def test_the_where_columns_plus_n_is_spelled_out():
     report = ampaudit.findings.Report(target="net.py", capture="fx", policy={"device": "cuda", "dtype": "float16"},
                                       findings=findings)
     console = Console(width=120, file=io.StringIO(), color_system=None)
-    render_report(report, console)
+    render_report(report, console, verbose=True)       # infos: in full only with verbose
     text = console.file.getvalue()
     assert "net.py:10 +5" in text and "+5 more line(s): net.py:11, net.py:12, net.py:13 and 2 more" in text

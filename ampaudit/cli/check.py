@@ -32,6 +32,7 @@ def check(
     ignore: Annotated[Optional[list[str]], typer.Option(help="Skip these rules (same forms as --select).")] = None,
     rules: Annotated[Optional[list[Path]], typer.Option("--rules", help="Folder of extra rule files (*.toml).")] = None,
     why: Annotated[bool, typer.Option("--why", help="Show why each finding matters (table format).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show info findings in full, not one line each (table format).")] = False,
     capture: Annotated[str, typer.Option(help="How to capture the graph: auto (fx, then torch.export, then dispatch-level recording), fx, export or dispatch.")] = "auto",
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Also run the model in FP32 and under the target's autocast and report measured range, non-finite and divergence findings.")] = False,
     calibrate_batches: Annotated[int, typer.Option(help="With --calibrate: use this many batches of train_data() [default: its first batch when the file has train_data() and loss_fn, else example_inputs()].")] = 0,
@@ -78,23 +79,24 @@ def check(
                            calibrate=calibrate, data=data, batch=batch, opt_level=opt_level,
                            train_steps=train_steps, lr=lr, **loaded.kwargs)
 
-    _emit(report, fmt, output, why, rule_dirs)
+    _emit(report, fmt, output, {"show_why": why, "verbose": verbose}, rule_dirs)
     if fail != "never" and report.at_or_above(fail):
         raise typer.Exit(1)
 
 
-def _emit(report, fmt: str, output: Path | None, why: bool, rule_dirs: list[str]) -> None:
-    """Print ``report`` in ``fmt`` (table, json, github, sarif), or write it to ``output``."""
+def _emit(report, fmt: str, output: Path | None, view: dict, rule_dirs: list[str]) -> None:
+    """Print ``report`` in ``fmt`` (table, json, github, sarif), or write it to ``output``; ``view``: the table's
+    render_report options (show_why, verbose)."""
     if fmt == "table":
         if output:
             from rich.console import Console
 
             console = Console(record=True, width=120, file=io.StringIO())
-            _render(report, console, why)
+            _render(report, console, view)
             _write(output, console.export_text())
         else:
             # Piped output gets 120 columns rather than rich's 80, so messages are not folded into slivers.
-            _render(report, stdout_console(), why)
+            _render(report, stdout_console(), view)
     else:
         if fmt == "json":
             text = json.dumps(report.to_dict(), indent=2)
@@ -149,10 +151,10 @@ def _refuse_bad_training(opt_level: str, train_steps: int, lr: float | None, cal
     return level
 
 
-def _render(report, console, why: bool) -> None:
+def _render(report, console, view: dict) -> None:
     from ampaudit.report.console import render_report
 
-    render_report(report, console, show_why=why)
+    render_report(report, console, **view)
 
 
 def _write(path: Path, text: str) -> None:
