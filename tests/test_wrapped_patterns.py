@@ -183,3 +183,22 @@ def test_a_finding_in_a_recorded_body_recommends_the_source_edit_that_fixes_it()
     res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "--entry", "WindowExp", "--input",
                                    "2x8x16", "--device", "cpu", "--diff"])
     assert res.exit_code in (0, 1) and "re-check: clean for AMP202" in res.output, res.output
+
+
+def test_fixed_model_py_wraps_an_opaque_function_at_its_top_level(tmp_path):
+    # torch.fx.wrap refuses to run anywhere but a module's top level: inside the class body, importing the written
+    # model.py raised.
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    out = tmp_path / "fixed"
+    res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "-o", str(out), "--no-verify"])
+    assert res.exit_code == 0, res.output
+    text = (out / "model.py").read_text()
+    assert any(ln.startswith("torch.fx._symbolic_trace.wrap(") for ln in text.splitlines()), text
+    fixed, (model, _) = load_target(str(out / "model.py")), load("recorded_linear")
+    model.load_state_dict(fixed.model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fixed.model(*fixed.args), model(*fixed.args))
