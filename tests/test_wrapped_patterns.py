@@ -185,6 +185,35 @@ def test_a_finding_in_a_recorded_body_recommends_the_source_edit_that_fixes_it()
     assert res.exit_code in (0, 1) and "re-check: clean for AMP202" in res.output, res.output
 
 
+def test_fix_o_counts_what_remains_in_a_wrapped_body_it_leaves_as_written(tmp_path):
+    # The rewrite cannot reach inside a body recorded at the example shapes: the fixed model still raises under
+    # autocast there, so the re-check names the finding and its line, fix exits 1, and fixed/model.py (which wraps
+    # the function at its top level, as torch.fx requires) checks to the same finding.
+    import json
+
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    out = tmp_path / "fixed"
+    res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "-o", str(out)])
+    line = line_of("recorded_linear", "return y.masked_fill(y < 0, -1e9)")
+    assert res.exit_code == 1, res.output
+    assert "re-check: clean" not in res.output and "after raises" in res.output, res.output
+    assert (f"re-check: 1 finding(s) remain inside wrapped functions the rewrite leaves as written: AMP401 "
+            f"<top module> (recorded_linear.py:{line}); fix --diff edits their source") in res.output, res.output
+    verification = json.loads((out / "fix.json").read_text())["report"]["verification"]
+    assert not verification["ok"] and verification["remaining"] == []
+    assert [(f["rule"], f["location"]["line"]) for f in verification["unrewritten"]] == [("AMP401", line)]
+    fixed = load_target(str(out / "model.py"))
+    again = ampaudit.check(fixed.model, *fixed.args, device="cuda")
+    assert {(f.rule, f.location["line"]) for f in again.findings if f.severity != "info"} == {("AMP401", line)}
+    # A wrapped function fx follows is rewritten inside: there the re-check is clean and fix exits 0.
+    res = CliRunner().invoke(app, ["fix", str(HERE / "nested_helper.py"), "-o", str(tmp_path / "inlined")])
+    assert res.exit_code == 0 and "re-check: clean for the fixed families" in res.output, res.output
+
+
 def test_fixed_model_py_wraps_an_opaque_function_at_its_top_level(tmp_path):
     # torch.fx.wrap refuses to run anywhere but a module's top level: inside the class body, importing the written
     # model.py raised.
