@@ -185,10 +185,12 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
                               "backward": ctx.calibration.backward}
     report.notes.extend(_capture_notes(cap.mode, list(cap.notes)))
     report.notes.extend(prop.notes)
+    report.unaudited.extend(prop.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
+        report.unaudited.append(report.notes[-1])
     return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes),
                  recordable=list(prop.recordable))
 

@@ -231,3 +231,21 @@ def test_fixed_model_py_wraps_an_opaque_function_at_its_top_level(tmp_path):
     model.load_state_dict(fixed.model.state_dict())
     with torch.no_grad():
         assert torch.equal(fixed.model(*fixed.args), model(*fixed.args))
+
+
+def test_check_does_not_call_a_model_clean_when_part_of_it_was_not_audited():
+    # gate branches on data: fx keeps it opaque and check cannot look inside it; no finding there is not "clean".
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    runner = CliRunner(env={"COLUMNS": "200"})
+    res = runner.invoke(app, ["check", str(HERE / "mutating.py"), "--entry", "Gate", "--input", "2x16"])
+    assert res.exit_code == 0, res.output
+    assert "the model is clean" not in res.output and "not called clean" in res.output, res.output
+    assert "gate is not audited inside" in res.output
+    # Followed by the dispatch recording, the same model is audited whole and clean.
+    res = runner.invoke(app, ["check", str(HERE / "mutating.py"), "--entry", "Gate", "--input", "2x16",
+                              "--capture", "dispatch"])
+    assert res.exit_code == 0 and "No findings: the model is clean for this target." in res.output, res.output
