@@ -85,8 +85,12 @@ def test_fix_says_check_audits_a_wrapped_body_only_where_check_does():
 
     W = load_module(assets / "wrapped" / "wrapped_models.py")
     model, args = load("mutating")
-    data_note = next(n for n in ampaudit.fix(model, *args, device="cuda").report.notes if n.startswith("gate "))
+    fixed = ampaudit.fix(model, *args, device="cuda").report
+    data_note = next(n for n in fixed.notes if n.startswith("gate "))
     assert "ampaudit check audits it" not in data_note and "--capture dispatch" in data_note, data_note
+    # The re-check cannot look inside gate either: it is clean only in what it audited.
+    assert ("re-check: clean for the fixed families in what it audited (the notes say what it could not look into)"
+            in fixed.verification.lines()), fixed.verification.lines()
     # A body that branches on a shape is recorded by check at the example inputs' shapes: fix says so.
     shape_notes = ampaudit.fix(W.CosineWindows(), torch.randn(2, 4, 4, 16), device="cpu").report.notes
     assert any(n.startswith("window_cosine_attention ") and "ampaudit check audits it" in n for n in shape_notes)

@@ -176,4 +176,5 @@ def _verify(original, fixed, args, kwargs, policy, opts, padded, mode="fx"):
                    if f.node not in inside]
     v.unrewritten = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message, "location": f.location}
                      for f in remaining if f.node in inside]
+    v.unaudited = len(again.report.unaudited)
     return v

@@ -58,6 +58,7 @@ class Verification:
     # ... on the ops of a wrapped body the rewrite leaves as written (recorded at the example shapes: fx keeps the
     # function opaque, so no island can reach inside); the re-check audits that body as check does
     unrewritten: list[dict] = field(default_factory=list)
+    unaudited: int = 0           # parts of the fixed model the re-check could not look into (said in the notes)
     notes: list[str] = field(default_factory=list)
     target: str = ""             # the policy's device, when its autocast was simulated on ``device_type``
 
@@ -87,7 +88,8 @@ class Verification:
         if self.unrewritten:
             out.append(unrewritten_line(self.unrewritten))
         if not self.remaining and not self.unrewritten:
-            out.append("re-check: clean for the fixed families")
+            out.append("re-check: clean for the fixed families" + (
+                " in what it audited (the notes say what it could not look into)" if self.unaudited else ""))
         return out + self.notes
 
     def _simulated(self) -> str:
