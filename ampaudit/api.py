@@ -176,6 +176,8 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
         measured = [f for f in findings if f.family in MEASURED_FAMILIES]
         clean = "" if measured else (": no measured faults (no inf/NaN, range, divergence, flipped decision or "
                                      "update that rounds away)")
+        if clean and skipped:       # a measurement that was skipped found nothing because it did not run
+            clean += " in what was measured (the notes below say what was not)"
         report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}{clean}")
         report.notes.append(f"backward: {ctx.calibration.backward}")
         if data.note:
