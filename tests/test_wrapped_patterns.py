@@ -253,3 +253,13 @@ def test_check_does_not_call_a_model_clean_when_part_of_it_was_not_audited():
     res = runner.invoke(app, ["check", str(HERE / "mutating.py"), "--entry", "Gate", "--input", "2x16",
                               "--capture", "dispatch"])
     assert res.exit_code == 0 and "No findings: the model is clean for this target." in res.output, res.output
+
+
+def test_fix_diffs_re_check_is_clean_only_in_what_it_audited():
+    # The edit fixes merge_levels' mask; gate stays opaque to the re-check, which says so instead of "clean".
+    from ampaudit.sourcefix.api import fix_source
+
+    v = fix_source(str(HERE / "mutating.py")).verification
+    assert v.ok and "re-check: clean for AMP401 in what it audited" in v.lines(), v.lines()
+    assert any(ln.startswith("re-check could not look into: gate is not audited inside") for ln in v.lines())
+    assert v.as_dict()["unaudited"] == v.unaudited and v.unaudited
