@@ -172,25 +172,33 @@ def audit(model: nn.Module, *args, device: str = "cuda", dtype: str = "float16",
     report = Report(target=target or type(model).__name__, capture=cap.mode, policy=policy.describe(),
                     findings=findings, suppressed=suppressed, nodes=len(cap.gm.graph.nodes))
     if ctx.calibration is not None:
-        sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
-        measured = [f for f in findings if f.family in MEASURED_FAMILIES]
-        clean = "" if measured else (": no measured faults (no inf/NaN, range, divergence, flipped decision or "
-                                     "update that rounds away)")
-        report.notes.append(f"calibrated on {ctx.calibration.batches} batch(es){sim}{clean}")
-        report.notes.append(f"backward: {ctx.calibration.backward}")
-        if data.note:
-            report.notes.append(data.note)
-        report.notes.extend(skipped)
-        report.calibration = {"batches": ctx.calibration.batches, "origin": data.origin,
-                              "backward": ctx.calibration.backward}
+        _calibration_notes(report, ctx.calibration, data, skipped, device)
     report.notes.extend(_capture_notes(cap.mode, list(cap.notes)))
     report.notes.extend(prop.notes)
+    report.unaudited.extend(prop.notes)
     if prop.unknown:
         names = ", ".join(n.name for n in prop.unknown[:5])
         report.notes.append(f"shapes unknown after {len(prop.unknown)} node(s) without a fake kernel ({names}); "
                             "alignment and depth findings there may be missing")
+        report.unaudited.append(report.notes[-1])
     return Audit(capture=cap, policy=policy, report=report, opaque=list(prop.notes),
                  recordable=list(prop.recordable))
+
+
+def _calibration_notes(report: Report, cal, data, skipped: list[str], device: str) -> None:
+    """What calibration measured, on what, and what it had to skip, as the report's notes."""
+    sim = "" if device == "cpu" else f"; {device} policy simulated on CPU"
+    measured = [f for f in report.findings if f.family in MEASURED_FAMILIES]
+    clean = "" if measured else (": no measured faults (no inf/NaN, range, divergence, flipped decision or "
+                                 "update that rounds away)")
+    if clean and skipped:       # a measurement that was skipped found nothing because it did not run
+        clean += " in what was measured (the notes below say what was not)"
+    report.notes.append(f"calibrated on {cal.batches} batch(es){sim}{clean}")
+    report.notes.append(f"backward: {cal.backward}")
+    if data.note:
+        report.notes.append(data.note)
+    report.notes.extend(skipped)
+    report.calibration = {"batches": cal.batches, "origin": data.origin, "backward": cal.backward}
 
 
 @contextlib.contextmanager

@@ -90,6 +90,9 @@ class Report:
     suppressed: int = 0
     nodes: int = 0
     calibration: dict | None = None      # with --calibrate: batches, origin, backward (what was differentiated)
+    # What the audit could not look into (a wrapped function fx keeps opaque, ops without a fake kernel), each said in
+    # the notes too: without findings, the report does not call such a model clean.
+    unaudited: list[str] = field(default_factory=list)
 
     def worst(self) -> str | None:
         if not self.findings:

@@ -211,6 +211,17 @@ def test_the_report_verdicts_become_one_rule_each():
     assert all(v == [] for v in _findings_of(quiet).values())
 
 
+def test_output_logit_divergence_is_on_the_module_that_made_the_output():
+    # A version-6 trace names the output's maker: AMP803 is on it, with fixes that act on it; without, the top module.
+    from trace_events import ev, steps
+
+    events = [ev("meta", version=6, dtype="bfloat16", source="train"), *steps([2.0] * 30),
+              ev("precursor", 9, signal="output_logit", module="", value=100.0, max_step=9, crossed_step=9,
+                 producer="lm_head")]
+    (module, details), = _findings_of(events)["AMP803"]
+    assert module == "lm_head" and "ampaudit.keep_fp32(model, ['lm_head'])" in details["fixes"], details
+
+
 def test_massive_activations_with_fp8_layers_are_amp804_at_warning():
     from ampaudit.rules.loader import load_rules
     from trace_events import ev, steps

@@ -155,6 +155,23 @@ def test_a_clean_calibration_says_it_measured_nothing(planted):
     assert any(n.startswith("calibrated on") for n in notes) and not any("no measured faults" in n for n in notes)
 
 
+def test_a_calibration_that_skipped_a_measurement_says_so_beside_no_faults(monkeypatch):
+    # The decision comparison raised and was skipped: "no measured faults" holds only for what was measured.
+    import ampaudit
+    import ampaudit.runtime.decision_record as decision_record
+    from conftest import SAMPLES, load_module
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(decision_record, "measure_decisions", boom)
+    clean = load_module(SAMPLES / "clean_mlp.py")
+    notes = ampaudit.check(clean.build_model(), *clean.example_inputs(), calibrate=True).notes
+    assert any(n.startswith("decisions not compared with FP32: RuntimeError") for n in notes), notes
+    assert any(n.startswith("calibrated on 1 batch(es)") and n.endswith(
+        "update that rounds away) in what was measured (the notes below say what was not)") for n in notes), notes
+
+
 def test_nonfinite_findings_json_fields_are_plain_values():
     import ampaudit
     from conftest import ROOT, load_module

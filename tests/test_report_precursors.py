@@ -62,6 +62,30 @@ def test_output_logits_are_judged_against_the_runs_dtype():
     assert not [r for r in fp16["recommendations"] if r["kind"] == "precursor"]   # 100 < 512 in fp16
 
 
+@pytest.mark.parametrize("producer", [None, "lm_head"])
+def test_output_logits_name_the_module_that_made_them_where_the_trace_does(producer):
+    # Version 6 events carry the module that made the output; older ones (and a tied head's) only "the model's output".
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ampaudit.report.trace_console import render_summary
+
+    made = {"producer": producer} if producer else {}
+    s = summarize(_trace(*_steps([2.0] * 5), _prec(5, "output_logit", "", 100.0, **made)))
+    rec = next(r for r in s["recommendations"] if r["kind"] == "precursor")
+    out = StringIO()
+    render_summary(s, Console(file=out, width=160))
+    if producer:
+        assert rec["modules"] == ["lm_head"] and "of lm_head's output (the model's output) crossed" in rec["message"]
+        assert "ampaudit.keep_fp32(model, ['lm_head'])" in rec["message"] and "z-loss on lm_head's" in rec["message"]
+        assert "lm_head (the output)" in out.getvalue()
+    else:
+        assert rec["modules"] == [""] and "of the model's output crossed" in rec["message"]
+        assert "z-loss: add" in rec["message"] and "keep_fp32" not in rec["message"]
+        assert "<output>" in out.getvalue()
+
+
 def test_massive_activations_need_both_the_size_and_the_ratio():
     events = _trace(*_steps([2.0] * 5),
                     _prec(5, "massive_activation", "blocks.3", 2500.0, absmax=800.0, median=0.32),

@@ -85,8 +85,12 @@ def test_fix_says_check_audits_a_wrapped_body_only_where_check_does():
 
     W = load_module(assets / "wrapped" / "wrapped_models.py")
     model, args = load("mutating")
-    data_note = next(n for n in ampaudit.fix(model, *args, device="cuda").report.notes if n.startswith("gate "))
+    fixed = ampaudit.fix(model, *args, device="cuda").report
+    data_note = next(n for n in fixed.notes if n.startswith("gate "))
     assert "ampaudit check audits it" not in data_note and "--capture dispatch" in data_note, data_note
+    # The re-check cannot look inside gate either: it is clean only in what it audited.
+    assert ("re-check: clean for the fixed families in what it audited (the notes say what it could not look into)"
+            in fixed.verification.lines()), fixed.verification.lines()
     # A body that branches on a shape is recorded by check at the example inputs' shapes: fix says so.
     shape_notes = ampaudit.fix(W.CosineWindows(), torch.randn(2, 4, 4, 16), device="cpu").report.notes
     assert any(n.startswith("window_cosine_attention ") and "ampaudit check audits it" in n for n in shape_notes)
@@ -183,3 +187,79 @@ def test_a_finding_in_a_recorded_body_recommends_the_source_edit_that_fixes_it()
     res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "--entry", "WindowExp", "--input",
                                    "2x8x16", "--device", "cpu", "--diff"])
     assert res.exit_code in (0, 1) and "re-check: clean for AMP202" in res.output, res.output
+
+
+def test_fix_o_counts_what_remains_in_a_wrapped_body_it_leaves_as_written(tmp_path):
+    # The rewrite cannot reach inside a body recorded at the example shapes: the fixed model still raises under
+    # autocast there, so the re-check names the finding and its line, fix exits 1, and fixed/model.py (which wraps
+    # the function at its top level, as torch.fx requires) checks to the same finding.
+    import json
+
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    out = tmp_path / "fixed"
+    res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "-o", str(out)])
+    line = line_of("recorded_linear", "return y.masked_fill(y < 0, -1e9)")
+    assert res.exit_code == 1, res.output
+    assert "re-check: clean" not in res.output and "after raises" in res.output, res.output
+    assert (f"re-check: 1 finding(s) remain inside wrapped functions the rewrite leaves as written: AMP401 "
+            f"<top module> (recorded_linear.py:{line}); fix --diff edits their source") in res.output, res.output
+    verification = json.loads((out / "fix.json").read_text())["report"]["verification"]
+    assert not verification["ok"] and verification["remaining"] == []
+    assert [(f["rule"], f["location"]["line"]) for f in verification["unrewritten"]] == [("AMP401", line)]
+    fixed = load_target(str(out / "model.py"))
+    again = ampaudit.check(fixed.model, *fixed.args, device="cuda")
+    assert {(f.rule, f.location["line"]) for f in again.findings if f.severity != "info"} == {("AMP401", line)}
+    # A wrapped function fx follows is rewritten inside: there the re-check is clean and fix exits 0.
+    res = CliRunner().invoke(app, ["fix", str(HERE / "nested_helper.py"), "-o", str(tmp_path / "inlined")])
+    assert res.exit_code == 0 and "re-check: clean for the fixed families" in res.output, res.output
+
+
+def test_fixed_model_py_wraps_an_opaque_function_at_its_top_level(tmp_path):
+    # torch.fx.wrap refuses to run anywhere but a module's top level: inside the class body, importing the written
+    # model.py raised.
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    out = tmp_path / "fixed"
+    res = CliRunner().invoke(app, ["fix", str(HERE / "recorded_linear.py"), "-o", str(out), "--no-verify"])
+    assert res.exit_code == 0, res.output
+    text = (out / "model.py").read_text()
+    assert any(ln.startswith("torch.fx._symbolic_trace.wrap(") for ln in text.splitlines()), text
+    fixed, (model, _) = load_target(str(out / "model.py")), load("recorded_linear")
+    model.load_state_dict(fixed.model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fixed.model(*fixed.args), model(*fixed.args))
+
+
+def test_check_does_not_call_a_model_clean_when_part_of_it_was_not_audited():
+    # gate branches on data: fx keeps it opaque and check cannot look inside it; no finding there is not "clean".
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    runner = CliRunner(env={"COLUMNS": "200"})
+    res = runner.invoke(app, ["check", str(HERE / "mutating.py"), "--entry", "Gate", "--input", "2x16"])
+    assert res.exit_code == 0, res.output
+    assert "the model is clean" not in res.output and "not called clean" in res.output, res.output
+    assert "gate is not audited inside" in res.output
+    # Followed by the dispatch recording, the same model is audited whole and clean.
+    res = runner.invoke(app, ["check", str(HERE / "mutating.py"), "--entry", "Gate", "--input", "2x16",
+                              "--capture", "dispatch"])
+    assert res.exit_code == 0 and "No findings: the model is clean for this target." in res.output, res.output
+
+
+def test_fix_diffs_re_check_is_clean_only_in_what_it_audited():
+    # The edit fixes merge_levels' mask; gate stays opaque to the re-check, which says so instead of "clean".
+    from ampaudit.sourcefix.api import fix_source
+
+    v = fix_source(str(HERE / "mutating.py")).verification
+    assert v.ok and "re-check: clean for AMP401 in what it audited" in v.lines(), v.lines()
+    assert any(ln.startswith("re-check could not look into: gate is not audited inside") for ln in v.lines())
+    assert v.as_dict()["unaudited"] == v.unaudited and v.unaudited

@@ -25,7 +25,10 @@ def render_report(report: Report, console: Console, *, show_why: bool = False, v
     pol = report.policy
     console.print(Text.assemble(("ampaudit check ", "bold"), f"{report.target} ",
                                 (f"[{pol['device']} {pol['dtype']} autocast, captured by {report.capture}]", "dim")))
-    if not report.findings:
+    if not report.findings and report.unaudited:
+        console.print(Text("No findings in what was audited; the notes below say what was not, so the model is not "
+                           "called clean.", style="yellow"))
+    elif not report.findings:
         console.print(Text("No findings: the model is clean for this target.", style="green"))
     groups = group_findings(report.findings)
     order = {id(g): i for i, g in enumerate(groups)}

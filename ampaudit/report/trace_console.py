@@ -140,7 +140,8 @@ def _render_precursors(prec: dict, c: Console) -> None:
                      ("line", "right"), ("crossed at", "right")))
         for r in rows:
             crossed = r["crossed_step"]
-            t.add_row(r["signal"], escape(r["module"] or "<output>"), fmt(r["max"], ".4g"),
+            where = r["module"] or (f"{r['producer']} (the output)" if r.get("producer") else "<output>")
+            t.add_row(r["signal"], escape(where), fmt(r["max"], ".4g"),
                       str(r["max_step"] if r["max_step"] is not None else "-"), fmt(r["threshold"], ".4g"),
                       f"[red]step {crossed}[/]" if crossed is not None else "-")
         c.print(t)

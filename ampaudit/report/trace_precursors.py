@@ -31,9 +31,11 @@ def precursor_row(ev: dict, step: int | None) -> dict | None:
     # An event covers an interval: the pass its largest value was seen at, and the first pass at or past the
     # writer's line, when the writer recorded them (else the interval's step stands for both).
     seen, crossed = as_step(ev.get("max_step")), as_step(ev.get("crossed_step"))
+    producer = ev.get("producer")      # output signals: the module that made the output (absent before it was kept)
     return {"step": step, "signal": signal, "module": module if isinstance(module, str) else "",
             "value": num(ev.get("value")), "absmax": finite(ev.get("absmax")), "median": finite(ev.get("median")),
-            "max_step": seen if seen is not None else step, "crossed_step": crossed}
+            "max_step": seen if seen is not None else step, "crossed_step": crossed,
+            "producer": producer if isinstance(producer, str) and producer else None}
 
 
 def _logit_limit(dtype: Any) -> float:
@@ -108,6 +110,8 @@ def _signal_rows(data: Any, cfg: dict, limit: float) -> list[dict]:
             row["drift"] = rs[-1]["value"] - first
         if signal == "massive_activation":
             row["absmax"] = max((r["absmax"] for r in rs if r["absmax"] is not None), default=None)
+        if signal.startswith("output"):     # the last module named (None: an old trace, or none made the output)
+            row["producer"] = next((r["producer"] for r in reversed(rs) if r.get("producer")), None)
         rows.append(row)
     # Crossed first (earliest first), then the rest by signal.
     rows.sort(key=lambda r: (r["crossed_step"] is None, r["crossed_step"] or 0, SIGNALS.index(r["signal"]),
@@ -153,8 +157,16 @@ def precursor_summary(data: Any) -> dict:
             "diverged_step": min(candidates) if candidates else None, "fp8": runs_fp8(data)}
 
 
+def where_of(row: dict) -> str:
+    """A row's module in words: the output signals' module ``""`` is the model's output, and the module that made
+    it, when the trace names one (``producer``), is what there is to act on."""
+    if row["module"]:
+        return row["module"]
+    return f"{row['producer']}'s output (the model's output)" if row.get("producer") else "the model's output"
+
+
 def _message(row: dict, cfg: dict, before: int | None, fp8: bool = True) -> str:
-    where = row["module"] or "the model's output"
+    where = where_of(row)
     at = f"crossed {fmt(row['threshold'])} at step {row['crossed_step']}"
     then = f" and reached {fmt(row['max'])} at step {row['max_step']}"
     ahead = f", {before - row['crossed_step']} steps before the loss broke at step {before}" \
@@ -197,10 +209,13 @@ def precursor_advice(summary: dict) -> list[dict]:
         section = "output_logit" if family == "output" else family
         others = [r["module"] or "<output>" for r in rows[1:] if r["module"] != first["module"]]
         more = f" Also: {', '.join(others[:5])}." if others else ""
+        made = first.get("producer") if family == "output" else None
+        fixes = [f.format(module=made) for f in cfg[section]["module_fixes"]] if made else cfg[section]["fixes"]
         recs.append({"kind": "precursor", "severity": severity(first["signal"], fp8), "signal": first["signal"],
-                     "modules": sorted({r["module"] for r in rows}), "step": first["crossed_step"],
+                     # the modules to act on: for the output, the one that made it where the trace says
+                     "modules": sorted({r.get("producer") or r["module"] for r in rows}), "step": first["crossed_step"],
                      "value": first["crossed_value"], "max": first["max"],
-                     "message": f"{_message(first, cfg, before, fp8)}.{more} Fix: {'; '.join(cfg[section]['fixes'])}."})
+                     "message": f"{_message(first, cfg, before, fp8)}.{more} Fix: {'; '.join(fixes)}."})
     spike = (s.get("spikes") or {}).get("first")
     if spike:
         count = s["spikes"]["count"]

@@ -5,7 +5,8 @@ the swamping advice warns about, and the precursor signals that crossed their li
     verdicts["swamping"]      # [{"tensor", "module", "kind", "dtype", "share_rounded", "realized_ratio",
                               #   "first_step", "last_step", "why", "fix", "source", ...}], worst first
     verdicts["precursors"]    # [{"signal", "family", "module", "crossed_step", "crossed_value", "threshold",
-                              #   "max", "max_step", "severity", "fixes"}], earliest first
+                              #   "max", "max_step", "severity", "fixes", "producer" (output signals)}],
+                              #   earliest first
     verdicts["diverged_step"], verdicts["steps"]
 
 The same functions as the report (:mod:`ampaudit.report.trace_swamping`, :mod:`ampaudit.report.trace_precursors`):
@@ -41,8 +42,9 @@ def training_verdicts(events: Iterable[dict]) -> dict[str, Any]:
         if row["crossed_step"] is None or family not in warned:
             continue
         section = "output_logit" if family == "output" else family
-        crossed.append({**row, "family": family, "severity": warned[family],
-                        "fixes": "; ".join(cfg[section]["fixes"])})
+        made = row.get("producer")      # the output's: the module that made it, when the trace names one
+        fixes = [f.format(module=made) for f in cfg[section]["module_fixes"]] if made else cfg[section]["fixes"]
+        crossed.append({**row, "family": family, "severity": warned[family], "fixes": "; ".join(fixes)})
     return {"swamping": swamped, "precursors": crossed, "diverged_step": summary["precursors"]["diverged_step"],
             "steps": len(data.steps)}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ampaudit.dtypes import name_of
+from ampaudit.findings import location_text
 from ampaudit.policy import Policy
 from ampaudit.runtime.replay_state import state_snapshot
 from ampaudit.simulate import simulated, target_autocast
@@ -53,6 +55,10 @@ class Verification:
     before: AmpRun
     after: AmpRun
     remaining: list[dict] = field(default_factory=list)   # findings of the fixed families still there
+    # ... on the ops of a wrapped body the rewrite leaves as written (recorded at the example shapes: fx keeps the
+    # function opaque, so no island can reach inside); the re-check audits that body as check does
+    unrewritten: list[dict] = field(default_factory=list)
+    unaudited: int = 0           # parts of the fixed model the re-check could not look into (said in the notes)
     notes: list[str] = field(default_factory=list)
     target: str = ""             # the policy's device, when its autocast was simulated on ``device_type``
 
@@ -62,7 +68,8 @@ class Verification:
 
     @property
     def ok(self) -> bool:
-        return self.fp32_ok and self.after.error is None and self.after.nonfinite == 0 and not self.remaining
+        return (self.fp32_ok and self.after.error is None and self.after.nonfinite == 0 and not self.remaining
+                and not self.unrewritten)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -78,12 +85,26 @@ class Verification:
         if self.remaining:
             rules = ", ".join(sorted({f['rule'] for f in self.remaining}))
             out.append(f"re-check: {len(self.remaining)} finding(s) of the fixed families remain ({rules})")
-        else:
-            out.append("re-check: clean for the fixed families")
+        if self.unrewritten:
+            out.append(unrewritten_line(self.unrewritten))
+        if not self.remaining and not self.unrewritten:
+            out.append("re-check: clean for the fixed families" + (
+                " in what it audited (the notes say what it could not look into)" if self.unaudited else ""))
         return out + self.notes
 
     def _simulated(self) -> str:
         return f" ({self.target}'s policy simulated)" if self.target and self.target != self.device_type else ""
+
+
+def unrewritten_line(found: list[dict]) -> str:
+    """The re-check's line for findings inside wrapped bodies the rewrite left as written: each rule, module and
+    line (the first five), and the command that does fix them."""
+    where = [f"{f['rule']} {f['module'] or '<top module>'}"
+             + (f" ({location_text(f['location'], short=lambda p: Path(p).name)})" if f.get("location") else "")
+             for f in found]
+    more = f", and {len(where) - 5} more" if len(where) > 5 else ""
+    return (f"re-check: {len(found)} finding(s) remain inside wrapped functions the rewrite leaves as written: "
+            f"{', '.join(where[:5])}{more}; fix --diff edits their source")
 
 
 def _fmt(x: float | None) -> str:

@@ -90,8 +90,9 @@ def _imports(src: str, globals_: dict) -> tuple[list[str], list[str]]:
     return sorted(set(lines)), late
 
 
-def _annotated_forward(result) -> tuple[str, dict]:
-    """The forward source indented for a class body, with a comment above each island."""
+def _annotated_forward(result) -> tuple[str, dict, list[str]]:
+    """The forward source indented for a class body, with a comment above each island; and the generated code's
+    ``torch.fx`` wrap calls (a wrapped function the graph calls), which must run at the top level of a module."""
     src, globals_ = forward_source(result.gm)
     first_enter: dict[str, int] = {}
     for node in result.gm.graph.nodes:
@@ -100,8 +101,11 @@ def _annotated_forward(result) -> tuple[str, dict]:
                 and i not in first_enter.values():
             first_enter[node.name] = i
     by_index = {c.index - 1: c for c in result.report.islands}
-    out = []
+    out, wraps = [], []
     for line in src.strip("\n").splitlines():
+        if re.match(r"torch\.fx\._symbolic_trace\.wrap\(", line):
+            wraps.append(line)
+            continue
         m = re.match(r"\s+(\w+) = torch\.amp\.autocast_mode\._enter_autocast\(", line)
         if m and m.group(1) in first_enter and first_enter[m.group(1)] in by_index:
             change = by_index[first_enter[m.group(1)]]
@@ -109,8 +113,10 @@ def _annotated_forward(result) -> tuple[str, dict]:
             out.append(f"    # fp32 island {change.index} ({where}; {', '.join(change.rules)}): "
                        "autocast off, inputs upcast, outputs stay fp32")
         out.append(line)
+    while out and not out[0].strip():       # the blank line after the wrap calls
+        out.pop(0)
     body = "\n".join("    " + ln if ln.strip() else "" for ln in out).rstrip()
-    return body, globals_
+    return body, globals_, wraps
 
 
 def _original_lines(path: Path, outdir: Path | None) -> list[str]:
@@ -152,7 +158,7 @@ def _loader_lines(source, entry: str, outdir: Path | None = None) -> list[str]:
 def render_model_py(result, source, entry: str, *, has_constants: bool, saved_inputs: bool,
                     outdir: Path | None = None) -> str:
     """The text of OUTDIR/model.py."""
-    body, globals_ = _annotated_forward(result)
+    body, globals_, wraps = _annotated_forward(result)
     imports, late = _imports(body, globals_)
     rep = result.report
     pol = f"{rep.policy.get('dtype')} autocast on {rep.policy.get('device')}"
@@ -170,7 +176,7 @@ def render_model_py(result, source, entry: str, *, has_constants: bool, saved_in
     extra = [ln for ln in imports if ln != "import torch"]
     lines = head + std + extra + ["", "HERE = Path(__file__).resolve().parent", f"ENTRY = {entry!r}"]
     lines += _loader_lines(source, entry, outdir)
-    lines += ["", "", "_original = _load_original()"] + late
+    lines += ["", "", "_original = _load_original()"] + late + wraps
     if rep.padding:
         shapes = {name: list(shape) for c in rep.padding for name, shape in c.param_shapes.items()}
         attrs: dict[str, dict] = {}

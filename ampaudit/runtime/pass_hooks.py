@@ -165,6 +165,8 @@ class PassHooks:
         p = self._pass
         if not p.sample or self._suspended or not p.open:
             return
+        if self._prec is not None:       # which module makes the model's output (the logits' precursors name it)
+            self._prec.producer.observe(mod, args, out)
         # The common case (one tensor) skips pytree flattening: this runs for every module every step.
         outs = (out,) if type(out) is torch.Tensor else float_tensors(out)
         fslot, full = self._fslot[mod], p.full

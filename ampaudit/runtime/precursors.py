@@ -14,7 +14,8 @@ Signals (thresholds and citations: rules/policy/precursors.toml):
   recomputed here in FP32, in chunks of query rows.
 - ``output_logit`` / ``output_lse``: the model's output when it looks like logits: the largest magnitude of a row's
   top logit (the output's max, or minus the lowest row max of a strided sample of rows: far-negative logits of
-  tokens with ~0 probability do not count) and the mean log-sum-exp (log Z) over that sample.
+  tokens with ~0 probability do not count) and the mean log-sum-exp (log Z) over that sample; module ``""``, and
+  ``producer`` the module that made it (:class:`~ampaudit.runtime.output_producer.OutputProducer`) when one did.
 - ``massive_activation``: per module, on the pass of each interval that takes exact counts, its |output| max over
   the median |x| of a strided sample of that output.
 
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from ampaudit.dtypes import dtype_of, limits
 from ampaudit.policy import precursors as precursor_policy
 from ampaudit.runtime.module_stack import module_names
+from ampaudit.runtime.output_producer import OutputProducer
 from ampaudit.runtime.stats import absmax_of
 
 # (owner, attribute, kind): the functions whose calls are recorded on a sampled pass.
@@ -249,6 +251,7 @@ class PrecursorMeter:
         self._stack = CallStack(root)
         self._idle = LogitRecorder(self._stack, self.cfg["attn_logit"])      # reused by every sampled pass
         self._recorder: LogitRecorder | None = None
+        self.producer = OutputProducer(root)        # the module that makes the output: its hooks feed it
         self._step: int | None = None
         # Per pass: (step, 0-d device tensor); read once per interval, so the step each value was seen at is known.
         self._attn: dict[str, list[tuple[int | None, torch.Tensor]]] = {}
@@ -264,6 +267,7 @@ class PrecursorMeter:
     def begin_pass(self, step: int | None) -> None:
         """Start recording attention calls (the root's forward of ``step`` is about to run)."""
         self.abort()
+        self.producer.clear()
         self._step = step
         self._recorder = self._idle
         self._recorder.__enter__()
@@ -292,7 +296,10 @@ class PrecursorMeter:
                     self._measure_logits(out.detach(), int(cfg["sample_rows"]), extremes if i == 0 else None)
                 except _SKIPPED:
                     pass
+                if self.producer.observed:      # a pass with module hooks (else the last one found stands)
+                    self.producer.resolve(out)
                 break
+        self.producer.clear()
 
     def _measure_logits(self, out: torch.Tensor, sample_rows: int,
                         extremes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -358,7 +365,9 @@ class PrecursorMeter:
                for m, r in zip(sorted(self._attn), read)]
         if self._out_max:
             limit = logit_limit(self.dtype)
-            out += [self._event("output_logit", "", read[-2], limit), self._event("output_lse", "", read[-1], limit)]
+            made = {} if self.producer.name is None else {"producer": self.producer.name}
+            out += [dict(self._event("output_logit", "", read[-2], limit), **made),
+                    dict(self._event("output_lse", "", read[-1], limit), **made)]
         out += self._massive_events(massive)
         self._attn, self._out_max, self._out_lse, self._massive = {}, [], [], {}
         return out

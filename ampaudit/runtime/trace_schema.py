@@ -87,7 +87,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("decision", 3, ("module", "op", "source", "kind", "decisions", "flipped", "share_flipped", "used",
                               "calls")),
     EventKind("precursor", 3, ("signal", "module", "value", "threshold", "max_step"),
-              ("crossed_step", "passes", "absmax", "median", "min_abs")),
+              ("crossed_step", "passes", "absmax", "median", "min_abs", "producer")),
     EventKind("recipe_stats", 4, ("module", "recipe", "gemms", "sqnr_db", "input"), ("grad_output",)),
     EventKind("fallback", 4, ("module", "from", "to", "reason", "value", "limit", "why")),
     EventKind("state_overflow", 5, ("tensor", "module", "kind", "dtype", "elements", "numel", "fp32_absmax",

@@ -85,6 +85,7 @@ class SourceVerification:
     fixed_rules: list[str] = field(default_factory=list)
     faults: bool = False                          # a fixed rule is a fault (error severity): autocast must improve
     unsafe: bool = False
+    unaudited: list[str] = field(default_factory=list)   # what the re-check could not look into (its notes)
 
     @property
     def fp32_ok(self) -> bool:
@@ -119,7 +120,7 @@ class SourceVerification:
     def as_dict(self) -> dict:
         return {"ok": self.ok, "loads": self.loads, "load_error": self.load_error, "weights": self.weights,
                 "fp32_ok": self.fp32_ok, "autocast_no_worse": self.amp_no_worse, "autocast_better": self.amp_better,
-                "fixed_rules": self.fixed_rules, "remaining": self.remaining,
+                "fixed_rules": self.fixed_rules, "remaining": self.remaining, "unaudited": self.unaudited,
                 "outputs": self.outputs.as_dict() if self.outputs is not None else None}
 
     def lines(self) -> list[str]:
@@ -132,7 +133,9 @@ class SourceVerification:
             rules = ", ".join(sorted({r["rule"] for r in self.remaining}))
             out.append(f"re-check: {len(self.remaining)} finding(s) of the fixed rules remain ({rules})")
         else:
-            out.append(f"re-check: clean for {', '.join(self.fixed_rules) or 'the fixed rules'}")
+            out.append(f"re-check: clean for {', '.join(self.fixed_rules) or 'the fixed rules'}"
+                       + (" in what it audited" if self.unaudited else ""))
+            out += [f"re-check could not look into: {n}" for n in self.unaudited]
         if not self.amp_no_worse:
             out.append("autocast error against FP32 got worse")
         elif self.faults and self.fault_shown and not self.amp_better:
@@ -211,6 +214,7 @@ def verify_sources(mirror: Mirror, loaded, fixed, original_model, *, settings: d
                     "line": f.location["line"] if f.location else None}
                    for f in aud.report.findings if f.rule in fixed_rules and wanted(f)
                    and SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"]]
+    v.unaudited = list(aud.report.unaudited)
     return v, aud
 
 

@@ -100,12 +100,14 @@ def trained_precursor(ctx: MatchContext, rule) -> Iterator[Hit]:
     diverged = cal.trained.get("diverged_step")
     seen: set[str] = set()
     for row in cal.precursors:          # earliest first: one finding per module, at the signal it crossed first
-        if row["family"] != want or row["module"] in seen:
+        # The output's signals are on the module that made the output, where the run named one (else the top module).
+        module = row.get("producer") or row["module"]
+        if row["family"] != want or module in seen:
             continue
-        seen.add(row["module"])
+        seen.add(module)
         yield Hit(None, {"signal": row["signal"], "value": row.get("crossed_value"), "threshold": row["threshold"],
                          "step": row["crossed_step"],
                          "peak": row["max"] if row.get("max") is not None else row["crossed_value"],
                          "peak_step": row.get("max_step"),
                          "steps": cal.trained["steps"], "broke": _broke(row, diverged), "fixes": row["fixes"]},
-                  module=row["module"], variant="no_fp8" if row.get("severity") == "info" else None)
+                  module=module, variant="no_fp8" if row.get("severity") == "info" else None)
