@@ -196,3 +196,43 @@ def test_a_mutable_argument_is_not_taken_as_unchanged_because_it_is_the_same_obj
     assert [(r["module"], r.get("local_rel_l2")) for r in kept] == [(r["module"], r.get("local_rel_l2"))
                                                                    for r in again]
     assert (served > 0) is (changes == "nothing")
+
+
+class Encoder(nn.Module):
+    """Returns a dict, as transformers' encoders return a ModelOutput (a pooled output beside the states)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return {"last_hidden_state": h, "pooler_output": h[:, 0]}
+
+
+class Tower(nn.Module):
+    """CLIP's get_text_features: the caller rebinds a field of the container its child returned,
+    ``outputs["pooler_output"] = projection(outputs["pooler_output"])``."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.encoder, self.projection = Encoder(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        out = self.encoder(x)
+        out["pooler_output"] = self.projection(out["pooler_output"])
+        return out["pooler_output"] * 2.0, out
+
+
+def test_a_container_the_caller_rebinds_a_field_of_is_served_as_the_child_returned_it(monkeypatch):
+    # The kept call held the container itself: served to the re-run after the caller had rebound its field, the
+    # encoder "returned" the projected output, which the re-run projected again, and the tower's own error read
+    # 100x the dtype's rounding (a false AMP701 error on CLIP's top module).
+    torch.manual_seed(0)
+    model, x = Tower().eval(), torch.randn(3, 4, 16)
+    kept, served = _rows(model, x, 2048, monkeypatch)
+    again, _ = _rows(model, x, 0, monkeypatch)
+    assert served > 0
+    own = {r["module"]: r["local_rel_l2"] for r in kept}
+    assert own[""] == pytest.approx({r["module"]: r["local_rel_l2"] for r in again}[""], rel=1e-6)
+    assert own[""] < 0.01

@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ampaudit.policy import settings
 
@@ -54,7 +54,7 @@ class _Call:
     def __init__(self, mod: nn.Module, rng: torch.Tensor, versions: dict[int, int]):
         self.mod, self.rng, self.versions = mod, rng, versions
         self.flat: list | None = None         # its arguments flattened at the call (containers may change later)
-        self.spec = self.out = self.rng_after = None
+        self.spec = self.out = self.rng_after = None   # out: its output flattened at the call (leaves, spec)
         self.out_versions: list[int] = []
         self.calls: list[_Call] = []          # its completed submodule calls, in order
         self.nbytes = 0
@@ -117,7 +117,10 @@ class ShadowCalls:
                 all(t.device.type == "cpu" for t in ins + outs))
         size = sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values())
         if keep and self.held + size <= self.cap_bytes:
-            call.flat, call.spec, call.out = flat, spec, out
+            # Its output flattened now: the caller may rebind a field of the container it returned later
+            # (transformers' get_text_features sets `outputs.pooler_output = projection(...)`), and a served
+            # container read then would hand back that caller's value as the child's.
+            call.flat, call.spec, call.out = flat, spec, tree_flatten(out)
             call.versions = {id(t): t._version for t in ins}
             call.out_versions = [t._version for t in outs]
             call.rng_after = torch.get_rng_state()
@@ -183,7 +186,9 @@ class ShadowCalls:
             if hit:
                 torch.set_rng_state(call.rng_after)
                 self.served += 1
-                return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, call.out)
+                leaves, out_spec = call.out
+                return tree_unflatten([t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves],
+                                      out_spec)
             self._inside += 1
             try:
                 return real(*args, **kwargs)
@@ -200,7 +205,7 @@ class ShadowCalls:
             return False
         if any(isinstance(t, torch.Tensor) and t._version != call.versions.get(id(t)) for t in theirs):
             return False
-        if [t._version for t in _tensors(call.out)] != call.out_versions:
+        if [t._version for t in call.out[0] if isinstance(t, torch.Tensor)] != call.out_versions:
             return False
         if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in mine):
             return False
