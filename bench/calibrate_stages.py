@@ -204,7 +204,15 @@ def main(argv=None) -> int:
     p.add_argument("--memory", action="store_true",
                    help="each stage in a process of its own: peak resident MB above the model, and CPU seconds")
     p.add_argument("--stage", choices=STAGES, help="run only this stage, as --memory's child process does")
+    p.add_argument("--leave-free-mib", type=float, metavar="MIB",
+                   help="set [calibration] min_free_mib to the memory free now less MIB: the locator's memory guard "
+                        "then stops its forward once this process took about MIB more (the guard on a real model)")
     args = p.parse_args(argv)
+    if args.leave_free_mib is not None:
+        from ampaudit.policy import settings
+        from ampaudit.runtime.memory_guard import free_mib
+
+        settings()["calibration"]["min_free_mib"] = free_mib() - args.leave_free_mib
     if args.stage:
         out = one_stage(args.model, args.size, args.stage)
     elif args.memory:
