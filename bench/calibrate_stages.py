@@ -110,7 +110,8 @@ def one_stage(name: str, size: int, stage: str) -> dict[str, float]:
 
     model, args, kwargs = _model(name, size)
     policy = Policy.load("cuda", "float16")
-    run = (lambda: ampaudit.check(model, *args, calibrate=True, **kwargs)) if stage == "check" \
+    reports = []
+    run = (lambda: reports.append(ampaudit.check(model, *args, calibrate=True, **kwargs))) if stage == "check" \
         else _passes(model, args, kwargs)[stage]
     inner = _watch_check_parts() if stage == "check" else {}
     gc.collect()
@@ -123,7 +124,9 @@ def one_stage(name: str, size: int, stage: str) -> dict[str, float]:
     peak = _status_mb("VmHWM")
     return {"base_mb": round(base), f"{stage}_mb": round(max(peak, *inner.values(), 0) - base),
             f"{stage}_cpu": round(cpu, 2), **{f"check.{k}_mb": round(v - base) for k, v in inner.items()},
-            **{f"check.{k}_cpu": v for k, v in CPU.items()}}
+            **{f"check.{k}_cpu": v for k, v in CPU.items()},
+            **({"findings": len(reports[0].findings), "memory_notes": [n for n in reports[0].notes if "memory" in n]}
+               if reports else {})}
 
 
 # The parts of the whole check whose peaks --memory reports as ``check.<part>_mb`` (above the check's base): the
