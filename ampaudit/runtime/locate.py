@@ -203,7 +203,9 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     execution order.
 
     Nothing is written: parameter ``.grad`` is untouched (``torch.autograd.grad``), buffers and RNG are
-    restored. A forward that raises yields a ``kind="error"`` event instead of an exception.
+    restored. A forward that raises yields a ``kind="error"`` event instead of an exception. A backward's forward
+    that runs short of memory (:mod:`~ampaudit.runtime.memory_guard`) is replayed without the backward, with a
+    note; the result (a :class:`Replayed` list) then has ``backward_checked`` False.
     """
     kwargs = kwargs or {}
     backward = loss is not None or (upstream is not None and any(g is not None for g in upstream))
