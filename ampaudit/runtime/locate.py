@@ -203,9 +203,8 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     execution order.
 
     Nothing is written: parameter ``.grad`` is untouched (``torch.autograd.grad``), buffers and RNG are
-    restored. A forward that raises yields a ``kind="error"`` event instead of an exception. A backward's forward
-    that runs short of memory (:mod:`~ampaudit.runtime.memory_guard`) is replayed without the backward, with a
-    note; the result (a :class:`Replayed` list) then has ``backward_checked`` False.
+    restored. A forward that raises yields a ``kind="error"`` event instead of an exception. Short of memory (see
+    :mod:`~ampaudit.runtime.memory_guard`) the forward is replayed alone: ``.backward_checked`` False, a note.
     """
     kwargs = kwargs or {}
     backward = loss is not None or (upstream is not None and any(g is not None for g in upstream))
@@ -295,7 +294,7 @@ def _backward_events(root: nn.Module, out: Any, locator: NonFiniteLocator, loss:
 
 
 def _short_of_memory(exc: BaseException, phase: str) -> str:
-    why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    why = (str(exc).strip() or type(exc).__name__).splitlines()[0][:160]
     where = "its forward kept the graph" if phase == "forward" else "it ran"
     return (f"the backward pass was not checked for inf/NaN: memory ran short while {where} ({why}); the forward "
             "was checked without it (run on a machine with more free memory, or lower [calibration] "
