@@ -79,3 +79,19 @@ def test_check_calibrate_completes_with_a_note_when_memory_is_short(monkeypatch)
     report = ampaudit.check(model, x, calibrate=True)
     assert any("backward pass was not checked for inf/NaN: memory ran short" in n for n in report.notes)
     assert any(f.family == "nonfinite" for f in report.findings)      # the forward's overflow is still found
+
+
+def test_watch_warns_when_its_replay_runs_short_of_memory(monkeypatch):
+    from ampaudit.runtime.memory_guard import MemoryShortWarning
+    from ampaudit.runtime.watch import watch
+
+    torch.manual_seed(0)
+    model = _Overflows()
+    _free(monkeypatch, 1.0, 1.0)
+    with pytest.warns(MemoryShortWarning, match="replaying step 0: its backward was not checked"):
+        with watch(model, stats=False) as w:        # the first pass is replayed under the locator
+            w.set_step(0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(2, 4))
+            out.float().mean().backward()
+    assert w.nonfinite and all(e["phase"] == "forward" for e in w.nonfinite)

@@ -29,6 +29,10 @@ class MemoryShort(RuntimeError):
     """Less memory is free than the guard's floor: the forward stops here instead of being killed."""
 
 
+class MemoryShortWarning(UserWarning):
+    """``ampaudit.watch`` replayed a pass without its backward: memory ran short (a check has its note instead)."""
+
+
 def free_mib() -> float | None:
     """MiB the process can still take: ``MemAvailable``, or less under a cgroup v2 limit; None when unknown."""
     try:
