@@ -65,3 +65,33 @@ def test_a_backward_origin_reruns_with_anomaly_mode_for_its_line(monkeypatch):
     assert calls == [1]                                   # the first replay ran without it
     assert backward and backward[0]["module"] == "boost"
     assert (backward[0]["source"] or "").endswith("_shared_models.py:28")   # a line only anomaly mode gives
+
+
+class _Stack(nn.Module):
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(depth)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_backward_drops_each_parameter_gradient_once_made():
+    # The replay's backward reads every op; it does not keep the parameters' gradients (the model's size again):
+    # by the time the first layer's gradient arrives, those of the layers after it are freed.
+    import weakref
+
+    model, alive = _Stack(), []
+    refs: dict[str, weakref.ref] = {}
+    names = {p: n for n, p in model.named_parameters()}
+    handles = [p.register_hook(lambda g, n=n: refs.__setitem__(n, weakref.ref(g))) for p, n in names.items()]
+    first = model.layers[0].weight
+    handles.append(first.register_hook(
+        lambda g: alive.append(sorted(n for n, r in refs.items() if r() is not None and not n.startswith("layers.0")))))
+    x = torch.randn(3, 8)
+    events = replay(model, (x,), {}, dtype=torch.bfloat16, loss=lambda out: out.float().mean())
+    for h in handles:
+        h.remove()
+    assert events == [] and len(refs) == 8
+    assert alive == [[]], alive
+    assert all(p.grad is None for p in model.parameters())        # nothing written, as before

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampaudit.dtypes import is_half, limits
 from ampaudit.notes import note
+from ampaudit.runtime.memory_guard import MemoryGuard, out_of_memory
 from ampaudit.runtime.module_stack import ModuleStack, model_location, source_from_lines, user_source
 from ampaudit.runtime.replay_state import float_tensors, preserved
 from ampaudit.wrappers import unwrap
@@ -104,6 +105,7 @@ class NonFiniteLocator(TorchDispatchMode):
         self.max_events = max_events
         self.events: list[dict] = []
         self.error: dict | None = None
+        self.guard: MemoryGuard | None = None       # stops a forward that keeps a graph before memory runs out
         self.paused = False
         self.phase = "forward"
         self._seen: set[tuple] = set()
@@ -145,6 +147,8 @@ class NonFiniteLocator(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused or len(self.events) >= self.max_events:
             return func(*args, **kwargs)
+        if self.guard is not None:
+            self.guard.check()
         mutable = func._schema.is_mutable
         inputs = float_tensors((args, kwargs))
         bad_before = _nonfinite(inputs) if mutable else None
@@ -199,7 +203,8 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     execution order.
 
     Nothing is written: parameter ``.grad`` is untouched (``torch.autograd.grad``), buffers and RNG are
-    restored. A forward that raises yields a ``kind="error"`` event instead of an exception.
+    restored. A forward that raises yields a ``kind="error"`` event instead of an exception. Short of memory (see
+    :mod:`~ampaudit.runtime.memory_guard`) the forward is replayed alone: ``.backward_checked`` False, a note.
     """
     kwargs = kwargs or {}
     backward = loss is not None or (upstream is not None and any(g is not None for g in upstream))
@@ -210,15 +215,22 @@ def replay(root: nn.Module, args: tuple, kwargs: dict | None = None, *, device_t
     # event: a replay that finds one is run again with it. Same inputs, RNG and buffers, so the same events,
     # now with their lines.
     events = _replay_once(root, args, kwargs, anomaly=False, **once)
-    if backward and any(ev.get("phase") == "backward" for ev in events):
+    if backward and events.backward_checked and any(ev.get("phase") == "backward" for ev in events):
         events = _replay_once(root, args, kwargs, anomaly=True, **once)
     return events
+
+
+class Replayed(list):
+    """A replay's events; ``backward_checked`` is False when a backward was asked for and memory ran short
+    (:mod:`ampaudit.runtime.memory_guard`): the forward's events are all there, the backward's not."""
+
+    backward_checked = True
 
 
 def _replay_once(root: nn.Module, args: tuple, kwargs: dict, *, device_type: str, dtype: torch.dtype,
                  autocast: bool, rng_state: dict | None, upstream: list[torch.Tensor | None] | None,
                  loss: Callable[[Any], torch.Tensor] | None, max_events: int, backward: bool,
-                 anomaly: bool) -> list[dict]:
+                 anomaly: bool) -> Replayed:
     known: dict[int, str] = {}
     for t in float_tensors((args, kwargs)):
         known[t.data_ptr()] = "input"
@@ -232,7 +244,9 @@ def _replay_once(root: nn.Module, args: tuple, kwargs: dict, *, device_type: str
     tracker = ModuleStack(root, mark_nodes=backward)
     locator = NonFiniteLocator(tracker, known, max_events=max_events)
     tracker.locator = locator
+    locator.guard = MemoryGuard.from_settings() if backward else None
     grad_ctx = torch.enable_grad() if backward else torch.no_grad()
+    short = None
     with preserved(root, rng_state), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode announces itself
         stacks = torch.autograd.detect_anomaly(check_nan=False) if anomaly else contextlib.nullcontext()
@@ -242,20 +256,49 @@ def _replay_once(root: nn.Module, args: tuple, kwargs: dict, *, device_type: str
             with tracker, grad_ctx, stacks, amp, locator:
                 out = root(*args, **kwargs)
         except Exception as exc:  # the forward raised: report where, not a traceback
-            if locator.error is None:
-                locator.events.append(_python_error(exc, tracker.current, tracker.packages))
-            return locator.events
-        if backward:
-            try:
-                _backward(root, out, locator, loss, upstream)
-            except Exception as exc:
-                # An op that raises in the backward is an event (the locator recorded it); a backward that
-                # cannot run at all (an op without a derivative, a loss that does not fit the output) costs
-                # the backward's events, not the audit.
+            if not (backward and out_of_memory(exc)):
                 if locator.error is None:
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    note(f"the backward pass was not checked: {type(exc).__name__}: {first[:160]}")
-    return locator.events
+                    locator.events.append(_python_error(exc, tracker.current, tracker.packages))
+                return Replayed(locator.events)
+            short = _short_of_memory(exc, "forward")
+        if short is None:
+            events = _backward_events(root, out, locator, loss, upstream) if backward else Replayed(locator.events)
+    if short is not None:
+        # The graph kept for the backward did not fit: the forward alone, without one, now that the frames
+        # holding the first attempt's activations (the exception's traceback) are gone.
+        note(short)
+        events = _replay_once(root, args, kwargs, device_type=device_type, dtype=dtype, autocast=autocast,
+                              rng_state=rng_state, upstream=None, loss=None, max_events=max_events,
+                              backward=False, anomaly=False)
+        events.backward_checked = False
+    return events
+
+
+def _backward_events(root: nn.Module, out: Any, locator: NonFiniteLocator, loss: Callable[[Any], torch.Tensor] | None,
+                     upstream: list[torch.Tensor | None] | None) -> Replayed:
+    try:
+        _backward(root, out, locator, loss, upstream)
+    except Exception as exc:
+        # An op that raises in the backward is an event (the locator recorded it); a backward that cannot run
+        # at all (an op without a derivative, a loss that does not fit the output, memory that runs out) costs
+        # the backward's events, not the audit.
+        if out_of_memory(exc):
+            note(_short_of_memory(exc, "backward"))
+            events = Replayed(e for e in locator.events if e is not locator.error)
+            events.backward_checked = False
+            return events
+        if locator.error is None:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            note(f"the backward pass was not checked: {type(exc).__name__}: {first[:160]}")
+    return Replayed(locator.events)
+
+
+def _short_of_memory(exc: BaseException, phase: str) -> str:
+    why = (str(exc).strip() or type(exc).__name__).splitlines()[0][:160]
+    where = "its forward kept the graph" if phase == "forward" else "it ran"
+    return (f"the backward pass was not checked for inf/NaN: memory ran short while {where} ({why}); the forward "
+            "was checked without it (run on a machine with more free memory, or lower [calibration] "
+            "min_free_mib, to check the backward)")
 
 
 def _backward(root: nn.Module, out: Any, locator: NonFiniteLocator, loss: Callable[[Any], torch.Tensor] | None,
@@ -270,9 +313,23 @@ def _backward(root: nn.Module, out: Any, locator: NonFiniteLocator, loss: Callab
         pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, upstream) if g is not None and g.shape == o.shape]
     if pairs and params:
         locator.phase = "backward"
-        with locator, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+        # Each parameter's gradient is dropped as soon as its last op made it (checked already): autograd.grad
+        # would hold every one until the backward ends, the model's size again on top of its activations
+        # (2.3 GB for a 570M-parameter ViT). Registered last, after any hook of the model's own, which sees it.
+        handles = [p.register_hook(_dropped) for p in params]
+        try:
+            with locator, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _dropped(grad: torch.Tensor) -> torch.Tensor:
+    # A gradient of the same shape, dtype and device that holds one element (a stride-0 view): what autograd
+    # keeps of it until the backward ends.
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
 def _origin(ev: dict) -> tuple:
@@ -284,12 +341,16 @@ def judge_against_fp32(root: nn.Module, events: list[dict], args: tuple, kwargs:
     """Mark each inf/NaN origin of a low-precision pass with ``fp32_too``: whether an FP32 replay of the same
     pass (same inputs, RNG and backward) has the same origin. Only ``fp32_too=False`` is a precision fault: an
     inf FP32 also makes (T5's masked ``log(0)``) is the model's own, whatever dtype the op ran in. Events of
-    a forward that raised are never FP32's. ``replay_kw`` are :func:`replay`'s keywords (not ``autocast``)."""
+    a forward that raised are never FP32's. ``replay_kw`` are :func:`replay`'s keywords (not ``autocast``). Returns
+    the events, less the backward ones when FP32's backward ran short of memory (nothing to judge them by)."""
     if not any(ev.get("kind") in ("inf", "nan") for ev in events):
         return events
     replay_kw.pop("autocast", None)
-    reference = {_origin(e) for e in replay(root, args, kwargs, autocast=False, **replay_kw)
-                 if e.get("kind") in ("inf", "nan")}
+    fp32 = replay(root, args, kwargs, autocast=False, **replay_kw)
+    reference = {_origin(e) for e in fp32 if e.get("kind") in ("inf", "nan")}
+    if not fp32.backward_checked:
+        # FP32's backward did not fit in memory (its note says so): a backward origin cannot be judged.
+        events = [ev for ev in events if ev.get("phase") != "backward"]
     for ev in events:
         ev["fp32_too"] = ev.get("kind") in ("inf", "nan") and _origin(ev) in reference
     return events
