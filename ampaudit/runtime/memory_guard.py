@@ -33,6 +33,14 @@ class MemoryShortWarning(UserWarning):
     """``ampaudit.watch`` replayed a pass without its backward: memory ran short (a check has its note instead)."""
 
 
+def warn_backward_unchecked(step: int | None) -> None:
+    """Tell a watch's user that the replay of ``step`` skipped its backward (a check says so in a note)."""
+    import warnings
+
+    warnings.warn(f"ampaudit.watch: memory ran short replaying step {step}: its backward was not checked "
+                  "for inf/NaN", MemoryShortWarning, stacklevel=3)
+
+
 def free_mib() -> float | None:
     """MiB the process can still take: ``MemAvailable``, or less under a cgroup v2 limit; None when unknown."""
     try:

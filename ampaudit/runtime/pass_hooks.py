@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from ampaudit.runtime.decision_record import DecisionCheck
 from ampaudit.runtime.divergence import DivergenceProbe
 from ampaudit.runtime.grad_hist import GradHistograms
 from ampaudit.runtime.locate import describe_nonfinite, judge_against_fp32, judge_against_unscaled, replay
-from ampaudit.runtime.memory_guard import MemoryShortWarning
+from ampaudit.runtime.memory_guard import warn_backward_unchecked
 from ampaudit.runtime.replay_state import capture_rng, float_tensors
 from ampaudit.runtime.precursors import PrecursorMeter
 from ampaudit.runtime.schedule import DivergenceSchedule
@@ -366,8 +365,7 @@ class PassHooks:
                   upstream=upstream, max_events=self.max_events)
         found = replay(self.root, args, kwargs, autocast=amp_on, **kw)
         if not found.backward_checked:
-            warnings.warn(f"ampaudit.watch: memory ran short replaying step {self.step}: its backward was not checked "
-                          "for inf/NaN", MemoryShortWarning, stacklevel=2)
+            warn_backward_unchecked(self.step)
         if amp_on:
             # Judged against FP32: an inf the same pass also makes in FP32 is the model's own, not precision's.
             found = judge_against_fp32(self.root, found, args, kwargs, **kw)
