@@ -125,3 +125,13 @@ def test_a_per_layer_list_the_constructor_derives_is_derived_for_the_new_layer_c
     cls = CONFIG_MAPPING["neomme"]   # its last layer is global attention, which the model needs one of
     config = rebuilt(shrink(cls()), cls())
     assert config.layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_hf_eager_compare_names_what_runs_now_and_what_no_longer_does():
+    from hf_eager import compare
+
+    def rows(**eager):
+        return [{"model": m, "eager": ok} for m, ok in eager.items()]
+
+    gained, lost = compare(rows(a=True, b=False, c=True, d=True), rows(a=False, b=True, c=True))
+    assert (gained, lost) == (["a"], ["b"])          # d is new to the list: neither
