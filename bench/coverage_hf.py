@@ -7,23 +7,24 @@
 Nothing is hand-picked: the list is transformers' MODEL_MAPPING (the base model of each model type, aliases that
 map to a class already listed dropped). Each config is the class's own defaults, shrunk generically by
 ``shrink``: every size it recognises by name (hidden width, layers, heads, feed-forward width, experts, vocab),
-in the config and in each sub-config (text, vision, audio, encoder, decoder). The inputs follow the model's
-``main_input_name`` (token ids, pixels, audio features or samples), plus decoder ids for encoder-decoders.
-A model that does not build or run this way is reported with the reason (bench/coverage.py groups them).
+in the config and in each sub-config (text, vision, audio, encoder, decoder); sizes tied to others follow them
+and the class's own constructor re-derives what it computes (``coverage_hf_ties``). The inputs follow the
+model's ``main_input_name`` and the forward's required parameters, by name (``coverage_hf_inputs``). A model that does not build or run this way is reported with the reason (bench/coverage.py groups them).
 """
 from __future__ import annotations
 
-import inspect
 import re
 
 import torch
+from coverage_hf_inputs import VOCAB, inputs
+from coverage_hf_ties import keep_ties, rebuilt
 
 # Sizes by config attribute name: (regex on the name, the small value). A value is only ever lowered.
 SIZES: tuple[tuple[str, int], ...] = (   # first match wins
     (r"(.*_)?(head_dim|d_kv|kv_channels|qk_rope_head_dim|qk_nope_head_dim|v_head_dim)", 16),
     (r"(.*_)?(intermediate_size|ffn_dim|d_ff|(en|de)coder_ffn_dim|n_inner|ffn_hidden_size|inner_dim|mlp_dim)", 64),
     (r"(.*_)?(hidden_size|d_model|n_embd|embed_dim|embedding_size|hidden_dim|dim|word_embed_proj_dim|"
-     r"projection_dim|d_embed|model_dim)", 32),
+     r"projection_dim|projection_size|d_embed|model_dim)", 32),
     (r"(.*_)?(num_hidden_layers|num_layers|n_layers?|(en|de)coder_layers|num_(en|de)coder_layers|depth|"
      r"num_blocks)", 2),
     (r"(.*_)?(num_attention_heads|n_heads?|num_heads|(en|de)coder_attention_heads)", 2),
@@ -31,13 +32,13 @@ SIZES: tuple[tuple[str, int], ...] = (   # first match wins
     (r"(.*_)?lora_rank", 16),
     (r"(num_experts|num_local_experts|n_routed_experts|moe_num_experts)", 4),
     (r"(num_experts_per_tok|moe_topk|top_k)", 2),
+    (r"(n_group|topk_group|n_groups|num_expert_group|topk_expert_group)", 1),   # groups of the 4 experts, or heads
 )
 SIZE_RES = tuple((re.compile(f"^{pattern}$"), value) for pattern, value in SIZES)
-VOCAB = 256
-SEQ = 16
 # Sub-configs are attributes holding a config; lists of per-stage sizes shrink to one block per stage, 64 wide.
 LIST_DEPTHS = re.compile(r"^(depths|num_layers|layers|block_repeats|num_blocks)$")
 LIST_WIDTHS = re.compile(r"^(hidden_sizes|embed_dims?|dims|channels|widths|block_out_channels)$")
+LIST_HEADS = re.compile(r"^(num_heads|num_attention_heads|n_heads)$")
 
 
 def hf_all_names() -> list[str]:
@@ -63,18 +64,15 @@ def _token_ids(config) -> int:
     return found
 
 
-def _token_ids_named(config, word: str):
-    """The id of the placeholder token for ``word`` ("image"), when the model splices features into the text."""
-    for key, value in vars(config).items():
-        if word in key and re.search(r"token_(id|index)$", key):
-            return value
-    return None
-
-
 def shrink(config, depth: int = 0):
-    """Lower every size ``config`` (and its sub-configs) names to the small values above; returns config."""
+    """Lower every size ``config`` (and its sub-configs) names to the small values above; returns config.
+
+    Sizes other sizes are tied to follow them (``coverage_hf_ties``): per-layer lists take the new layer count, rotary
+    widths and rope sections the new head width, a head count the width its product with a head width must fill.
+    """
     from transformers import PretrainedConfig
 
+    before = dict(vars(config))
     for key, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig) and depth < 3:
             shrink(value, depth + 1)
@@ -87,15 +85,25 @@ def shrink(config, depth: int = 0):
                 if regex.match(key) and value > small:
                     setattr(config, key, small)
                     break
-        elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            if LIST_DEPTHS.match(key):
-                setattr(config, key, [min(v, 1) for v in value])
-            elif LIST_WIDTHS.match(key):
-                top = max(value)
-                setattr(config, key, [max(8, (v * 64 // top) // 8 * 8) if top > 64 else v for v in value])
-            elif key in ("num_heads", "num_attention_heads"):
-                setattr(config, key, [min(v, 2) for v in value])
+        elif _int_list(value):
+            _shrink_list(config, key, list(value))
+    keep_ties(config, before)
     return config
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _shrink_list(config, key: str, value: list[int]) -> None:
+    if LIST_DEPTHS.match(key):
+        setattr(config, key, [min(v, 1) for v in value])
+    elif LIST_WIDTHS.match(key) and isinstance(getattr(config, key), list):   # tuples: textnet ties them
+        top = max(value)
+        setattr(config, key, [max(8, (v * 64 // top) // 8 * 8) if top > 64 else v for v in value])
+    elif LIST_HEADS.match(key):
+        setattr(config, key, [min(v, 2) for v in value])
 
 
 def _no_cache(config, depth: int = 0) -> None:
@@ -109,55 +117,13 @@ def _no_cache(config, depth: int = 0) -> None:
             _no_cache(value, depth + 1)
 
 
-def _sub(config, *names):
-    for name in names:
-        sub = getattr(config, name, None)
-        if sub is not None and not isinstance(sub, (int, float, str, list, dict)):
-            return sub
-    return config
-
-
-def _image(config, device):
-    vision = _sub(config, "vision_config", "backbone_config")
-    size = getattr(vision, "image_size", None) or getattr(config, "image_size", None) or 224
-    size = size if isinstance(size, (list, tuple)) else (size, size)
-    channels = getattr(vision, "num_channels", None) or 3
-    return torch.randn(1, channels, int(size[0]), int(size[-1]), device=device)
-
-
-def _inputs(model, config, device) -> dict:
-    main = getattr(model, "main_input_name", "input_ids")
-    params = inspect.signature(model.forward).parameters
-    text = _sub(config, "text_config", "decoder", "encoder")
-    vocab = int(getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or VOCAB)
-    ids = torch.randint(3, max(4, min(vocab, VOCAB)), (1, SEQ), device=device)
-    if main == "pixel_values":
-        kwargs = {"pixel_values": _image(config, device)}
-    elif main == "input_features":
-        audio = _sub(config, "audio_config", "encoder")
-        bins = int(getattr(audio, "num_mel_bins", None) or getattr(audio, "feature_size", None) or 80)
-        frames = 2 * int(getattr(audio, "max_source_positions", None) or 1500)
-        kwargs = {"input_features": torch.randn(1, bins, frames, device=device)}
-    elif main == "input_values":
-        kwargs = {"input_values": torch.randn(1, 16000, device=device)}
-    elif main in params and main != "input_ids":
-        raise ValueError(f"main input {main!r}: no generic example input for it")
-    else:
-        kwargs = {"input_ids": ids}
-    if main == "input_ids" and "pixel_values" in params and _token_ids_named(config, "image") is None:
-        kwargs["pixel_values"] = _image(config, device)   # a dual encoder (CLIP-like) embeds both
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        kwargs["decoder_input_ids"] = ids[:, : SEQ // 2]
-    return kwargs
-
-
 def build_hf_all(model_type: str, device: str):
     """(model, forward kwargs): ``model_type``'s base model from its shrunk default config, on ``device``."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = shrink(CONFIG_MAPPING[model_type]())
+    config = rebuilt(shrink(CONFIG_MAPPING[model_type]()), CONFIG_MAPPING[model_type]())
     _no_cache(config)
     with torch.device(device):
         model = transformers.AutoModel.from_config(config)
-    return model, _inputs(model, config, device)
+    return model, inputs(model, config, device)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ampaudit.capture.fx_capture import Capture
+from ampaudit.capture.grad_regions import inline_grad_regions
 from ampaudit.capture.graph_module_paths import GraphModulePaths
 from ampaudit.capture.source_lines import SourceLines
 from ampaudit.graph_meta import set_origin
@@ -290,8 +291,8 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, *, policy: Polic
         reason = " ".join(str(exc).split())[:200]
         raise CaptureError(f"torch.export cannot capture {type(model).__name__}: {type(exc).__name__}: {reason}",
                            hint="the dispatch-level capture is tried next") from exc
+    erased = inline_grad_regions(gm)   # no_grad blocks: their ops, audited like the rest
     # export adds a guard-checking submodule call with no users: not part of the model.
-    erased = 0
     for n in list(gm.graph.nodes):
         if n.users:
             continue
