@@ -31,8 +31,14 @@ _SETTINGS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"),
 
 
 def _targets() -> list[Any]:
+    # Without CUDA the cuda and cudnn settings decide nothing, and PyTorch refuses to read the legacy
+    # ``torch.backends.cudnn.allow_tf32`` once one of them is "ieee": a model that reads it in its forward
+    # (transformers' pe_audio) raised in the reference run. So they are set only where CUDA runs.
+    cuda = torch.cuda.is_available()
     found = []
     for backend, op in _SETTINGS:
+        if backend in ("cuda", "cudnn") and not cuda:
+            continue
         obj = getattr(getattr(torch.backends, backend, None), op, None)
         if obj is not None and hasattr(obj, "fp32_precision"):
             found.append(obj)
