@@ -172,9 +172,12 @@ def _verify(original, fixed, args, kwargs, policy, opts, padded, mode="fx"):
     if padded:
         remaining += [f for f in of_kind(again.report.findings, "pad") if f.module in padded
                       and f.details.get("dim") in padded[f.module]]
-    v.remaining = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message} for f in remaining
-                   if f.node not in inside]
-    v.unrewritten = [{"rule": f.rule, "module": f.module, "op": f.op, "message": f.message, "location": f.location}
-                     for f in remaining if f.node in inside]
+    v.remaining = [_left(f) for f in remaining if f.node not in inside]
+    v.unrewritten = [_left(f, location=f.location) for f in remaining if f.node in inside]
     v.unaudited = len(again.report.unaudited)
     return v
+
+
+def _left(f: Finding, **extra) -> dict:
+    """A finding the re-check still has, as the verification lists it."""
+    return {"rule": f.rule, "module": f.module, "op": f.op, "message": f.message, **extra}
