@@ -133,6 +133,67 @@ def test_infinite_buffers_that_mean_no_clamp_are_not_range_findings():
     assert len(flagged) == 1 and flagged[0].startswith("big "), flagged
 
 
+class _ClipBound(nn.Module):
+    """gemma3n's audio conformer: a 1e10 buffer bounds a clamp (negated for the lower bound); another large buffer
+    scales the output, where inf in fp16 does change the result."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("gradient_clipping", torch.tensor(1e10), persistent=False)
+        self.register_buffer("cap", torch.tensor(1e9))
+        self.register_buffer("scale", torch.tensor(1e5))
+
+    def forward(self, x):
+        h = torch.clamp(self.fc(x), -self.gradient_clipping, self.gradient_clipping)
+        h = torch.minimum(h, self.cap.to(h.dtype))
+        return h * self.scale
+
+
+def test_large_buffers_that_only_bound_a_clamp_are_not_range_findings():
+    import ampaudit.notes as notes_mod
+
+    with notes_mod.collect() as notes:
+        report = ampaudit.check(_ClipBound(), torch.randn(8, 16), device="cuda", dtype="float16", calibrate=True)
+    flagged = [f.message.split()[0] for f in report.findings if f.rule == "AMP501" and f.op == "buffer"]
+    assert flagged == ["scale"], [f.message for f in report.findings]
+    assert any("gradient_clipping (and 1 more)" in n and "only bounds a clamp" in n for n in notes), notes
+
+
+class _UnreadTower(nn.Module):
+    """A branch the calibration inputs never reach (gemma3n's audio tower on text): its buffers are judged by
+    how its forward's source uses them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("clip", torch.tensor(1e10))
+        self.register_buffer("gain", torch.tensor(1e10))
+
+    def forward(self, x):
+        x = x.clamp(-self.clip, max=self.clip)
+        return torch.clamp(x, min=-self.clip) * self.gain
+
+
+class _TextOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.audio = _UnreadTower()
+        self.with_audio = False
+
+    def forward(self, x):
+        return self.fc(x) + self.audio(x) if self.with_audio else self.fc(x)
+
+
+def test_large_buffers_of_a_module_the_inputs_never_reach_are_judged_by_its_source():
+    from ampaudit.runtime.buffer_uses import _bound_in_source
+
+    assert _bound_in_source(_UnreadTower(), "clip") and not _bound_in_source(_UnreadTower(), "gain")
+    report = ampaudit.check(_TextOnly(), torch.randn(8, 16), device="cuda", dtype="float16", calibrate=True)
+    flagged = [f.message.split()[0] for f in report.findings if f.rule == "AMP501" and f.op == "buffer"]
+    assert flagged == ["audio.gain"], [f.message for f in report.findings]
+
+
 class _AbsorbedOverflow(nn.Module):
     """A linear layer that overflows fp16 and a where() right after it that drops the inf: the loss stays finite."""
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from ampaudit.dtypes import limits, narrower
 from ampaudit.policy import Policy
+from ampaudit.runtime.buffer_uses import overflowing_buffers
 from ampaudit.runtime.module_stack import module_names
 from ampaudit.runtime.replay_state import float_tensors, model_device
 from ampaudit.simulate import target_autocast
@@ -128,20 +129,13 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
             with policy_on():
                 merge_decisions(cal.decisions, measure_or_note(model, args, kwargs, device_type=device_type,
                                                                dtype=policy.low))
+        # Buffers are judged against the low dtype: the message is about the model cast to it (model.half()).
+        if batches:
+            cal.buffers = overflowing_buffers(model, policy.low, *batches[0][:2])
     finally:
         model.train(model_was_training)
     for name, row in cal.modules.items():
         judge_range(row, cal.out_dtypes.get(name), policy.low)
-    # Buffers are judged against the low dtype: the message is about the model cast to it (model.half()).
-    limit = policy.limits.max
-    for name, buf in model.named_buffers():
-        if buf.is_floating_point() and not buf.is_meta and buf.numel():
-            # Largest finite magnitude: an inf or NaN already in FP32 (clamp bounds of +-inf that mean "no
-            # clamp", as gemma4_vit's input_min/input_max) is the same value in the low dtype; nothing is lost.
-            finite = buf.detach()[torch.isfinite(buf.detach())]
-            value = float(finite.abs().max()) if finite.numel() else 0.0
-            if value > limit:
-                cal.buffers.append({"module": name.rpartition(".")[0], "buffer": name, "absmax": value})
     return cal
 
 
