@@ -158,3 +158,37 @@ def test_plan_leaves_the_users_model_and_the_rng_as_they_were():
     plan = ampaudit.plan(model, [((x,), {})], recipes="tensorwise", speed_model="off")
     assert plan.layers
     assert_same(before, model)
+
+
+@pytest.mark.parametrize("write", ["none", "data", "no_grad", "view", "numpy", "tied"])
+def test_a_snapshot_copies_memory_only_for_what_is_written_and_restores_every_write(write):
+    """state_snapshot's copies are copy-on-write: nothing is copied for a model nothing writes (the untouched
+    weight still reads its own memory afterwards), and a write through any alias is put back bit for bit, tied
+    weights staying one tensor."""
+    from ampaudit.runtime.replay_state import state_snapshot
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].weight = model[0].weight                  # tied
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ptr = model[0].bias.const_data_ptr()
+    restore = state_snapshot(model)
+    w = model[0].weight
+    # The snapshot shares the weights' memory until something writes (a copy-on-write clone)
+    assert torch._C._is_cow_tensor(w) and torch._C._is_cow_tensor(model[0].bias)
+    if write == "data":
+        w.data.mul_(0.5)
+    elif write == "no_grad":
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+    elif write == "view":
+        w.data.view(-1)[:4] = 3.0
+    elif write == "numpy":
+        model[0].bias.detach().numpy()[0] = 7.0
+    elif write == "tied":
+        model[1].weight.data.zero_()
+    restore()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), write
+    assert model[1].weight is model[0].weight
+    if write in ("none", "data", "view", "tied"):
+        assert model[0].bias.const_data_ptr() == ptr     # never written: never copied

@@ -52,7 +52,8 @@ _PASS_ON = frozenset({"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze",
 
 def _storage(t: torch.Tensor) -> int | None:
     try:
-        return t.untyped_storage().data_ptr() if t.numel() else None
+        # The storage's base address, read without writing: a copy-on-write weight is not copied by asking.
+        return t.const_data_ptr() - t.storage_offset() * t.element_size() if t.numel() else None
     except (RuntimeError, NotImplementedError):       # tensors without storage (subclasses, meta)
         return None
 

@@ -187,7 +187,7 @@ class NonFiniteLocator(TorchDispatchMode):
         else:
             # inf/NaN that came from outside the computation: report once per kind of source.
             for t in bad_in:
-                origin = self.known.get(t.data_ptr())
+                origin = self.known.get(t.const_data_ptr())
                 if origin is not None and origin not in self._outside_reported:
                     self._outside_reported.add(origin)
                     self._record(func, kind, origin, dtype)
@@ -233,14 +233,14 @@ def _replay_once(root: nn.Module, args: tuple, kwargs: dict, *, device_type: str
                  anomaly: bool) -> Replayed:
     known: dict[int, str] = {}
     for t in float_tensors((args, kwargs)):
-        known[t.data_ptr()] = "input"
+        known[t.const_data_ptr()] = "input"
     for g in upstream or []:
         if g is not None:
-            known[g.data_ptr()] = "input"
+            known[g.const_data_ptr()] = "input"
     for _, b in root.named_buffers():
-        known[b.data_ptr()] = "buffer"
+        known[b.const_data_ptr()] = "buffer"
     for _, p in root.named_parameters():
-        known[p.data_ptr()] = "parameter"
+        known[p.const_data_ptr()] = "parameter"
     tracker = ModuleStack(root, mark_nodes=backward)
     locator = NonFiniteLocator(tracker, known, max_events=max_events)
     tracker.locator = locator

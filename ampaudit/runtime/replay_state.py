@@ -43,12 +43,12 @@ def float_tensors(tree: Any) -> list[torch.Tensor]:
 
 def buffer_snapshot(root: nn.Module) -> Callable[[], None]:
     """A copy of ``root``'s buffers (BatchNorm running stats); call the result to put them back."""
-    saved = {name: b.detach().clone() for name, b in root.named_buffers()}
+    saved = {name: lazy_copy(b.detach()) for name, b in root.named_buffers()}
 
     def restore() -> None:
         with torch.no_grad():
             for name, b in root.named_buffers():
-                if name in saved and b.shape == saved[name].shape:
+                if name in saved and b.shape == saved[name].shape and not _untouched(b, saved[name]):
                     b.copy_(saved[name])
     return restore
 
@@ -61,14 +61,16 @@ def state_snapshot(*roots: nn.Module) -> Callable[[], None]:
     Only tensors whose bits changed are written back, so a tensor user code did not touch keeps its version
     counter (autograd graphs the caller holds stay valid). The version counter cannot tell which ones changed by
     itself: ``p.data.mul_(m)``, the usual EMA update, writes through a tensor with a counter of its own. Meta
-    tensors hold no values and are only put back under their names."""
+    tensors hold no values and are only put back under their names. The copies are copy-on-write
+    (:func:`lazy_copy`): a snapshot of a model nothing writes copies no memory, where an eager copy of every
+    weight took seconds on a large model."""
     slots = []
     modules = [mod for root in roots for mod in root.modules()]
     for mod in modules:
         for table in (mod._parameters, mod._buffers):
             for key, t in table.items():
                 if t is not None:
-                    value = None if t.is_meta else t.detach().clone()
+                    value = None if t.is_meta else lazy_copy(t.detach())
                     slots.append((table, key, t, value, t.requires_grad, t.grad if t.is_leaf else None))
     modes = [(mod, mod.training) for mod in modules]
     restore_rng = rng_snapshot()
@@ -77,7 +79,8 @@ def state_snapshot(*roots: nn.Module) -> Callable[[], None]:
         with torch.no_grad():
             for table, key, t, value, requires_grad, grad in slots:
                 table[key] = t
-                if value is not None and t.shape == value.shape and not _same_bits(t, value):
+                if value is not None and t.shape == value.shape and not _untouched(t, value) \
+                        and not _same_bits(t, value):
                     t.copy_(value)
                 if t.is_leaf:
                     if t.requires_grad != requires_grad:
@@ -145,6 +148,27 @@ def rng_kept() -> contextlib.AbstractContextManager[None]:
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def lazy_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that costs nothing until one of them is written: a copy-on-write clone (the first write to
+    either, through any alias, even ``.data`` or NumPy, copies the memory then; views and aliases of ``t`` stay
+    one storage). An eager clone where the tensor type has no such clone (subclasses)."""
+    lazy = getattr(torch, "_lazy_clone", None)
+    if lazy is not None and type(t) is torch.Tensor:
+        try:
+            return lazy(t)
+        except (RuntimeError, NotImplementedError):
+            pass
+    return t.clone()
+
+
+def _untouched(t: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``t`` still reads the memory its :func:`lazy_copy` ``copy`` reads: nothing wrote it since."""
+    try:
+        return t.const_data_ptr() == copy.const_data_ptr() and t.stride() == copy.stride()
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

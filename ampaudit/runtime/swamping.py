@@ -147,7 +147,7 @@ class SwampMeter:
             if c.tensor.numel() <= budget or not self._eligible:
                 budget -= c.tensor.numel()
                 c.measured_at = step
-                self._eligible[(c.tensor.data_ptr(), c.tensor.numel())] = c
+                self._eligible[(c.tensor.const_data_ptr(), c.tensor.numel())] = c
         self.step, self._measures = step, {}
         self._mode = _Shadow(self)
         self._mode.__enter__()
@@ -159,7 +159,7 @@ class SwampMeter:
         contiguous view of a contiguous one."""
         if t.dtype not in LOW_FLOATS:
             return None
-        entry = table.get((t.data_ptr(), t.numel()))
+        entry = table.get((t.const_data_ptr(), t.numel()))
         if entry is None:
             return None
         c = entry.cand.tensor if isinstance(entry, _Measure) else entry.tensor
@@ -177,7 +177,7 @@ class SwampMeter:
             # The user's line is looked up once per tensor and measured step (a walk up the Python stack).
             intended, start_inf = fp32_start(cand.tensor)
             m = _Measure(cand, cand.tensor.detach().clone(), intended, writer_source(__file__), start_inf)
-            self._measures[(t.data_ptr(), t.numel())] = m
+            self._measures[(t.const_data_ptr(), t.numel())] = m
         return m
 
     def _lift(self, x: Any) -> Any:
@@ -209,8 +209,8 @@ class SwampMeter:
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             # This op has no FP32 twin here (an fp8-only kernel, a dtype it insists on): not measurable this step.
             for m in hits:
-                self._measures.pop((m.cand.tensor.data_ptr(), m.cand.tensor.numel()), None)
-                self._eligible.pop((m.cand.tensor.data_ptr(), m.cand.tensor.numel()), None)
+                self._measures.pop((m.cand.tensor.const_data_ptr(), m.cand.tensor.numel()), None)
+                self._eligible.pop((m.cand.tensor.const_data_ptr(), m.cand.tensor.numel()), None)
 
     def carry(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Give ``out`` its FP32 value when ``func`` read a measured or carried value no larger than ``out``."""
