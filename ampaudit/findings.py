@@ -10,7 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-REPORT_VERSION = "1.2"   # 1.1: each finding has "group"; 1.2: a library's location says "library": true
+# 1.1: each finding has "group"; 1.2: a library's location says "library": true; 1.3: "unaudited" lists what the
+# audit could not look into (also among the notes)
+REPORT_VERSION = "1.3"
 SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
 # Families about speed (a slower kernel), not about wrong numbers: safety gates (assert_amp_safe, the pytest
 # fixture) leave them out unless asked to (speed=True).
@@ -115,7 +117,7 @@ class Report:
         # Every finding, each with the id of its group (the rows of the terminal table).
         findings = [{**f.as_dict(), "group": g} for f, g in zip(self.findings, group_ids(self.findings))]
         return {"version": REPORT_VERSION, "target": self.target, "capture": self.capture, "policy": self.policy,
-                "findings": findings, "summary": self.summary(), "notes": self.notes,
+                "findings": findings, "summary": self.summary(), "notes": self.notes, "unaudited": self.unaudited,
                 **({"calibration": self.calibration} if self.calibration is not None else {})}
 
 

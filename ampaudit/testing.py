@@ -14,7 +14,8 @@ alignment findings (a GEMM on a slower kernel) fail only with ``speed=True``.
 
 A clean model passes silently (the :class:`~ampaudit.findings.Report` is returned); otherwise the test fails
 with an :class:`AmpSafetyError` (an ``AssertionError``) whose message is a plain-text table of the findings at or
-above ``fail_on``. With the pytest plugin installed, the ``amp_audit`` fixture does the same with the defaults of
+above ``fail_on``. A model with parts the audit could not look into (``report.unaudited``: a wrapped function's
+body it could not record) passes with an :class:`UnauditedWarning` naming the first. With the pytest plugin installed, the ``amp_audit`` fixture does the same with the defaults of
 ``[tool.ampaudit]`` in the project's pyproject.toml.
 """
 from __future__ import annotations
@@ -25,11 +26,16 @@ from typing import Any, Sequence
 
 from ampaudit.errors import UsageError
 from ampaudit.findings import SEVERITY_RANK, Finding, Report, location_text
+from ampaudit.user_warnings import warn_at_user
 
 __all__ = ["assert_amp_safe", "AmpSafetyError", "format_findings"]
 
 FAIL_ON = ("error", "warning", "info", "never")
 TABLE_WIDTH = 140
+
+
+class UnauditedWarning(UserWarning):
+    """Part of the model could not be audited (``report.unaudited``): a pass does not cover it."""
 
 
 class AmpSafetyError(AssertionError):
@@ -84,6 +90,10 @@ def assert_amp_safe(model: Any, *example_inputs: Any, device: str = "cuda", dtyp
 
     report = check(model, *example_inputs, device=device, dtype=dtype, select=select, ignore=ignore,
                    rules_dirs=rules_dirs, base_dir=Path.cwd(), calibrate=calibrate, **example_kwargs)
+    if report.unaudited:
+        more = f" (and {len(report.unaudited) - 1} more)" if len(report.unaudited) > 1 else ""
+        warn_at_user(f"{type(model).__name__}: part of the model was not audited: {report.unaudited[0]}{more}",
+                     UnauditedWarning)
     failing = [f for f in report.at_or_above(fail_on) if speed or not f.is_speed] if fail_on != "never" else []
     if failing:
         pol = report.policy

@@ -203,7 +203,7 @@ def test_the_table_and_json_mark_the_library_line(library_report):
     assert "where (library)" in shown and shown.count("(library)") == 1
     assert f"{FILE}:{_line(NET, 'FC_LINE')} (library)" in format_findings(library_report.findings, width=200)
     data = json.loads(json.dumps(library_report.to_dict()))
-    assert data["version"] == "1.2"
+    assert data["version"] == "1.3"
     assert {json.dumps(f["location"], sort_keys=True) for f in data["findings"]} >= {
         json.dumps({"file": FILE, "line": _line(NET, "FC_LINE"), "library": True}, sort_keys=True)}
 

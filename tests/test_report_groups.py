@@ -62,7 +62,7 @@ def test_one_row_per_group_and_every_finding_in_json():
     assert len(data["findings"]) == len(report.findings)
     ids = [f["group"] for f in data["findings"] if f["rule"] == "AMP301"]
     assert len(set(ids)) == 1
-    assert json.loads(json.dumps(data))["version"] == "1.2"
+    assert json.loads(json.dumps(data))["version"] == "1.3"
 
 
 def test_group_ids_number_groups_in_first_occurrence_order():

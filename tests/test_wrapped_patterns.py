@@ -255,6 +255,38 @@ def test_check_does_not_call_a_model_clean_when_part_of_it_was_not_audited():
     assert res.exit_code == 0 and "No findings: the model is clean for this target." in res.output, res.output
 
 
+@pytest.mark.parametrize("fmt", ["json", "sarif", "github"])
+def test_every_output_format_says_what_was_not_audited(fmt):
+    import json
+
+    from typer.testing import CliRunner
+
+    import ampaudit.cli.commands  # noqa: F401  registers the commands
+    from ampaudit.cli.app import app
+
+    res = CliRunner().invoke(app, ["check", str(HERE / "mutating.py"), "--entry", "Gate", "--input", "2x16",
+                                   "-f", fmt])
+    assert res.exit_code == 0, res.output
+    if fmt == "json":
+        said = json.loads(res.output)["unaudited"]
+    elif fmt == "sarif":
+        notes = json.loads(res.output)["runs"][0]["invocations"][0]["toolExecutionNotifications"]
+        assert {n["level"] for n in notes} == {"warning"}
+        said = [n["message"]["text"] for n in notes]
+    else:
+        said = [ln for ln in res.output.splitlines() if ln.startswith("::warning title=ampaudit%3A not audited::")]
+    assert len(said) == 2 and "gate is not audited inside" in said[0] and "without a fake kernel" in said[1], res.output
+
+
+def test_assert_amp_safe_passes_a_model_with_unaudited_parts_with_a_warning():
+    from ampaudit.testing import UnauditedWarning, assert_amp_safe
+
+    gate = load_target(str(HERE / "mutating.py"), entry="Gate").model
+    with pytest.warns(UnauditedWarning, match="Gate: part of the model was not audited: gate is not audited inside .* \(and 1 more\)"):
+        report = assert_amp_safe(gate, torch.randn(2, 16))
+    assert report.unaudited
+
+
 def test_fix_diffs_re_check_is_clean_only_in_what_it_audited():
     # The edit fixes merge_levels' mask; gate stays opaque to the re-check, which says so instead of "clean".
     from ampaudit.sourcefix.api import fix_source

@@ -8,7 +8,8 @@ message up to its numbers, ``report.groups``) on one source line are one annotat
 block of a model built in a loop shares the loop's line). A finding without a source line is
 annotated without ``file``/``line`` (GitHub lists it on the run's summary); so is one on an installed library's
 line (a transformers model's own code: not a file of the pull request), its message saying the library's
-``file:line``. Escaping follows the Actions toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,``
+``file:line``. What the audit could not look into (``report.unaudited``) is one ``::warning`` each, titled
+"ampaudit: not audited", so a run without findings does not read as clean. Escaping follows the Actions toolkit: ``%``, CR and LF in the message; those and ``:`` and ``,``
 in properties.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ def annotation(f: Finding, modules: list[str] | None = None) -> str:
 
 
 def to_github(report: Report) -> str:
-    """Every finding of ``report`` as workflow commands, one per line ("" when clean)."""
+    """Every finding of ``report`` as workflow commands, one per line, then what it could not audit ("" when
+    clean)."""
     lines = []
     for group in group_findings(report.findings):
         by_line: dict[tuple, list[Finding]] = {}
@@ -57,4 +59,5 @@ def to_github(report: Report) -> str:
             by_line.setdefault((loc.get("file"), loc.get("line")), []).append(f)
         for same in by_line.values():
             lines.append(annotation(same[0], list(dict.fromkeys(f.module for f in same))))
+    lines += [f"::warning title={escape_property('ampaudit: not audited')}::{escape_data(n)}" for n in report.unaudited]
     return "\n".join(lines)

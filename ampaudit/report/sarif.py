@@ -62,6 +62,9 @@ def to_sarif(report: Report, rules: list[Rule]) -> dict:
             "tool": {"driver": {"name": "ampaudit", "version": __version__, "semanticVersion": __version__,
                                 "informationUri": "https://github.com/ampaudit/ampaudit", "rules": descriptors}},
             "results": results,
+            # What the audit could not look into: without it, no result would read as clean.
+            "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": [
+                {"level": "warning", "message": {"text": f"not audited: {n}"}} for n in report.unaudited]}],
             "properties": {"target": report.target, "policy": report.policy, "capture": report.capture},
         }],
     }
