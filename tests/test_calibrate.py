@@ -222,3 +222,63 @@ def test_amp601_fires_for_an_inf_a_later_op_absorbs_and_its_why_claims_no_more()
     found = [f for f in report.findings if f.rule == "AMP601" and f.details["phase"] == "forward"]
     assert found and found[0].module == "fc", report.findings
     assert "only passes the fault along" not in found[0].why and "absorb it" in found[0].why
+
+
+class _ZeroCodebookDecoder(nn.Module):
+    """wavtokenizer's decoder on an untrained codebook: every code decodes to zeros, the conv after it outputs its
+    bias, constant over time, and the GroupNorms normalise that constant signal: their FP32 output is rounding
+    residue times 1/sqrt(eps), as their fp16 one is."""
+
+    def __init__(self):
+        super().__init__()
+        self.codebook = nn.Embedding(16, 32)
+        nn.init.zeros_(self.codebook.weight)
+        self.embed = nn.Conv1d(32, 32, 7, padding=3)
+        self.norm = nn.GroupNorm(32, 32, eps=1e-6)
+        self.conv = nn.Conv1d(32, 32, 3, padding=1)
+        self.norm2 = nn.GroupNorm(32, 32, eps=1e-6)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, codes):
+        h = self.embed(self.codebook(codes).transpose(1, 2))
+        h = self.norm2(self.conv(torch.nn.functional.silu(self.norm(h))))
+        return self.head(h.transpose(1, 2))
+
+
+def test_a_module_whose_fp32_output_is_rounding_noise_is_not_a_divergence_culprit():
+    import ampaudit.analysis.calibrate as calibrate_mod
+    from ampaudit.notes import collect
+
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (2, 40))
+    with collect() as notes:
+        report = ampaudit.check(_ZeroCodebookDecoder(), codes, device="cuda", dtype="float16", calibrate=True)
+    assert not [f for f in report.findings if f.rule == "AMP701"], [f.message for f in report.findings]
+    assert any(n.startswith("own error of norm and 1 more not judged") for n in notes), notes
+    # Without the FP32 floor the same two GroupNorms are AMP701 errors: one noise against another.
+    saved, calibrate_mod._judge_fp32_floor = calibrate_mod._judge_fp32_floor, lambda *a: None
+    try:
+        report = ampaudit.check(_ZeroCodebookDecoder(), codes, device="cuda", dtype="float16", calibrate=True)
+    finally:
+        calibrate_mod._judge_fp32_floor = saved
+    assert {f.module for f in report.findings if f.rule == "AMP701" and f.severity == "error"} == {"norm", "norm2"}
+
+
+def test_fp32_moved_is_large_only_where_fp32_does_not_determine_the_output():
+    from ampaudit.runtime.fp32_floor import fp32_moved
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.norm = nn.GroupNorm(32, 32, eps=1e-6)
+
+        def forward(self, x):
+            return self.fc(x) + self.norm(x[:, :, None].expand(-1, -1, 40)).mean(-1)
+
+    torch.manual_seed(0)
+    model = Two()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moved = fp32_moved(model, (torch.randn(4, 32),), {}, ["fc", "norm"])
+    assert moved["fc"] < 1e-5 and moved["norm"] > 0.5, moved
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

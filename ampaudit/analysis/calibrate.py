@@ -132,11 +132,34 @@ def calibrate(model: nn.Module, batches: Iterable[tuple], policy: Policy, *,
         # Buffers are judged against the low dtype: the message is about the model cast to it (model.half()).
         if batches:
             cal.buffers = overflowing_buffers(model, policy.low, *batches[0][:2])
+            _judge_fp32_floor(cal, model, batches[0])
     finally:
         model.train(model_was_training)
     for name, row in cal.modules.items():
         judge_range(row, cal.out_dtypes.get(name), policy.low)
     return cal
+
+
+def _judge_fp32_floor(cal: Calibration, model: nn.Module, batch: tuple) -> None:
+    """How far FP32's own rounding moves each would-be divergence culprit's FP32 output (``fp32_moved``,
+    :mod:`ampaudit.runtime.fp32_floor`); a note names those it moves past the line, which are not judged."""
+    from ampaudit.notes import note
+    from ampaudit.runtime.attribution import calibration_culprits, fp32_unstable
+    from ampaudit.runtime.fp32_floor import fp32_moved
+
+    names = [c.module for c in calibration_culprits(cal.order, cal.modules, cal.policy.low) if c.rule != "nonfinite"]
+    if not names:
+        return
+    for name, moved in fp32_moved(unwrap(model), batch[0], batch[1], names).items():
+        cal.modules[name]["fp32_moved"] = moved
+    unstable = [n for n in cal.order if n in names and fp32_unstable(cal.modules[n], cal.policy.low)]  # model order
+    if unstable:
+        more = f" and {len(unstable) - 1} more" if len(unstable) > 1 else ""
+        worst = max(cal.modules[n]["fp32_moved"] for n in unstable)
+        by = f"up to {worst:.0%}" if worst < 10 else "over 1000%"
+        note(f"own error of {unstable[0] or 'the top module'}{more} not judged: moving its FP32 inputs by one unit "
+             f"in the last place moves its FP32 output by {by}, so FP32 does not determine it either "
+             f"(a normalisation of a constant signal, as on untrained weights)")
 
 
 def untrained_norms(model: nn.Module) -> list[str]:

@@ -126,18 +126,21 @@ def _rounding_explains(v: float, lost: float | None, fed_inf: bool) -> bool:
 
 def culprits(own: Mapping[str, float | None], dtype: torch.dtype | str | None, *,
              inherited: bool = False, rounding: Mapping[str, float | None] | None = None,
-             fed_inf: Iterable[str] = ()) -> list[Culprit]:
+             fed_inf: Iterable[str] = (), unstable: Iterable[str] = ()) -> list[Culprit]:
     """The flagged modules of ``own`` (module -> own error; None: not measured), worst first.
     ``inherited``: the values accumulate from the input on (scope ``global``); ``rounding``: module -> what
     rounding alone loses around it (:func:`rounding_around`), ``fed_inf``: the modules whose inputs were inf or
-    NaN in the dtype before they ran (:func:`fed_nonfinite`), for the excuses the module docstring describes."""
-    fed_inf = set(fed_inf)
+    NaN in the dtype before they ran (:func:`fed_nonfinite`), for the excuses the module docstring describes;
+    ``unstable``: modules whose FP32 output FP32's own rounding already moves past the line
+    (:func:`fp32_unstable`): no reference to judge a finite own error against."""
+    fed_inf, unstable = set(fed_inf), set(unstable)
     dtype = low_dtype(dtype)
     u = unit_roundoff(dtype)
     median, peers = peer_median(own)
     judged: dict[str, tuple[float, tuple[str, str, float]]] = {}
     for name, v in own.items():
-        if v is None or _rounding_explains(v, (rounding or {}).get(name), name in fed_inf):
+        if v is None or _rounding_explains(v, (rounding or {}).get(name), name in fed_inf) \
+                or (name in unstable and math.isfinite(v)):
             continue
         verdict = _verdict(v, dtype, median)
         if verdict is not None:
@@ -192,6 +195,33 @@ def excused_nonfinite(row: Mapping) -> bool:
     (:func:`fed_nonfinite`) or its FP32 answer is all zero (:func:`zero_reference`). The modules ``culprits`` takes
     as ``fed_inf``, in ``check --calibrate`` and the report alike."""
     return fed_nonfinite(row) or zero_reference(row)
+
+
+def fp32_unstable(row: Mapping, dtype: torch.dtype | str | None) -> bool:
+    """Whether FP32's own rounding moves a module's FP32 output past the dtype's warning line: ``fp32_moved`` of a
+    calibration row (:mod:`ampaudit.runtime.fp32_floor`, measured only for would-be culprits) at least that line."""
+    moved = row.get("fp32_moved")
+    return moved is not None and moved >= divergence_thresholds(low_dtype(dtype))[0]
+
+
+def own_errors(order: list[str], modules: Mapping[str, Mapping]) -> tuple[dict[str, float | None], bool]:
+    """(module -> the error it is judged by, whether those accumulate from the input on) of calibration rows: own
+    errors where the probe measured them; the global ones, judged as inherited, when it measured none
+    (calibration without local re-runs). A module whose re-run could not run (a note says why) has no own error
+    and is not judged."""
+    if any("local_rel_l2" in modules[n] for n in order):
+        return {n: modules[n].get("local_rel_l2") for n in order}, False
+    return {n: modules[n].get("rel_l2") for n in order}, True
+
+
+def calibration_culprits(order: list[str], modules: Mapping[str, Mapping],
+                         dtype: torch.dtype | str | None) -> list[Culprit]:
+    """:func:`culprits` of calibration rows (``cal.order``, ``cal.modules``), with every excuse the rows hold: the
+    verdict of ``check --calibrate``'s AMP701."""
+    own, inherited = own_errors(order, modules)
+    return culprits(own, dtype, inherited=inherited, rounding={n: rounding_around(modules[n]) for n in order},
+                    fed_inf=[n for n in order if excused_nonfinite(modules[n])],
+                    unstable=[n for n in order if fp32_unstable(modules[n], dtype)])
 
 
 def crosses(culprit: Culprit, value: float | None) -> bool:

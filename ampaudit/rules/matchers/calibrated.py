@@ -117,20 +117,11 @@ def _range_test(rule, check: str):
 
 def first_jump(cal, found) -> str | None:
     """The first culprit in execution order (innermost first): where the model's error first shows."""
-    from ampaudit.runtime.attribution import first_crossing
+    from ampaudit.runtime.attribution import first_crossing, own_errors
 
-    own, _ = own_errors(cal)
+    own, _ = own_errors(cal.order, cal.modules)
     row = first_crossing(found, ((n, None, own[n]) for n in cal.order))
     return None if row is None else row["module"]
-
-
-def own_errors(cal) -> tuple[dict[str, float | None], bool]:
-    """(module -> the error it is judged by, whether those accumulate from the input on): own errors where the
-    probe measured them; the global ones, judged as inherited, when it measured none (calibration without local
-    re-runs). A module whose re-run could not run (a note says why) has no own error and is not judged."""
-    if any("local_rel_l2" in cal.modules[n] for n in cal.order):
-        return {n: cal.modules[n].get("local_rel_l2") for n in cal.order}, False
-    return {n: cal.modules[n].get("rel_l2") for n in cal.order}, True
 
 
 @matcher("calibrated_divergence", fields={"rel_l2", "cosine", "sqnr_db", "max_abs", "units", "rank", "jump", "verdict"},
@@ -139,15 +130,12 @@ def calibrated_divergence(ctx: MatchContext, rule) -> Iterator[Hit]:
     """Modules whose own error is beyond what the dtype's rounding explains, or an outlier among the model's own
     errors (:mod:`ampaudit.runtime.attribution`, the same verdict ``ampaudit report`` gives), worst first: the
     first is the culprit of a fault that stays finite. ``jump`` notes the first culprit in execution order."""
-    from ampaudit.runtime.attribution import culprits, excused_nonfinite, rounding_around
+    from ampaudit.runtime.attribution import calibration_culprits
 
     cal = ctx.calibration
     if cal is None:
         return
-    own, inherited = own_errors(cal)
-    found = culprits(own, cal.policy.low, inherited=inherited,
-                     rounding={n: rounding_around(cal.modules[n]) for n in cal.order},
-                     fed_inf=[n for n in cal.order if excused_nonfinite(cal.modules[n])])
+    found = calibration_culprits(cal.order, cal.modules, cal.policy.low)
     jump = first_jump(cal, found)
     for c in found:
         row = cal.modules[c.module]
