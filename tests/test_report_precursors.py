@@ -181,3 +181,14 @@ def test_figure_has_a_panel_per_signal_family_on_log_axes():
     assert list(fig.data[3].y) == [5.0]                       # |log Z| on a log axis
     assert {fig.layout[f"yaxis{i}"].type for i in ("", 2, 3)} == {"log"}
     assert any(shape.x0 == 31 for shape in fig.layout.shapes)  # the loss spike at step 31
+
+
+def test_the_output_logits_panel_names_the_module_that_made_them():
+    pytest.importorskip("plotly")
+    from ampaudit.report.html_precursors import precursor_figure
+    from ampaudit.report.trace_summary import collect
+
+    events = _trace(*_steps([2.0] * 30), _prec(20, "output_logit", "", 9.0, max_step=17, producer="lm_head"),
+                    _prec(20, "output_lse", "", 5.0, max_step=17, producer="lm_head"))
+    names = [t.name for t in precursor_figure(collect(events)).data]
+    assert names == ["output logits: top |logit| of lm_head", "output logits: |log Z| of lm_head"]

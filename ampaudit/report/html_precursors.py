@@ -5,7 +5,8 @@ published line (rules/policy/precursors.toml), with the loss spikes marked.
     fig = precursor_figure(data)   # a plotly Figure, or None when the trace holds no precursor events (version <= 2)
 
 Panels, each where the trace has data: attention logits per module (lines at 100, 1e3, 1e4), the output logits' max
-|logit| and |log Z| (the line where the run's dtype spaces logits too far apart), and the massive-activation ratio of
+|logit| and |log Z| (the line where the run's dtype spaces logits too far apart; named after the module that made
+the output, when the trace says which), and the massive-activation ratio of
 the modules that came closest to it. Needs plotly, like :mod:`ampaudit.report.html_plots`, which lists it.
 """
 from __future__ import annotations
@@ -33,6 +34,11 @@ def _series(data, signal: str) -> dict[str, list[tuple[int, float]]]:
     return {m: sorted(out[m]) for m in ranked[:MAX_LINES]}
 
 
+def _producer(data) -> str | None:
+    return next((r["producer"] for r in reversed(data.precursors)
+                 if r["signal"] in ("output_logit", "output_lse") and r.get("producer")), None)
+
+
 def _panels(data) -> list[tuple[str, dict[str, list], list[tuple[float, str]]]]:
     cfg = precursor_policy()
     a, m = cfg["attn_logit"], cfg["massive_activation"]
@@ -42,7 +48,9 @@ def _panels(data) -> list[tuple[str, dict[str, list], list[tuple[float, str]]]]:
         panels.append(("max attention logit", attn, [(a["warning"], "warning (Kimi K2 cap)"),
                                                      (a["degradation"], "degradation"),
                                                      (a["divergence"], "divergence")]))
-    out = {name: pts for signal, name in (("output_logit", "top |logit|"), ("output_lse", "|log Z|"))
+    made = _producer(data)     # the module that made the output, when the trace names one: what to act on
+    out = {name + (f" of {made}" if made else ""): pts
+           for signal, name in (("output_logit", "top |logit|"), ("output_lse", "|log Z|"))
            for pts in _series(data, signal).values()}
     if out:
         panels.append(("output logits", out, [(_logit_limit(data.meta.get("dtype")), "dtype spacing too coarse")]))
