@@ -282,3 +282,34 @@ def test_fp32_moved_is_large_only_where_fp32_does_not_determine_the_output():
     moved = fp32_moved(model, (torch.randn(4, 32),), {}, ["fc", "norm"])
     assert moved["fc"] < 1e-5 and moved["norm"] > 0.5, moved
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _OffsetVariance(nn.Module):
+    """E[y^2] - E[y]^2 of fp16 values offset by 100: fp16 spaces 1e4 by 8, so the variance is lost (a real fault
+    of the dtype; in FP32 one ulp of the inputs moves the answer by ~1e-5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.fc(x) + 100.0
+        return (y * y).mean(-1, keepdim=True) - y.mean(-1, keepdim=True) ** 2
+
+
+class _NoiseThenFault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = _ZeroCodebookDecoder()
+        self.stats = _OffsetVariance()
+
+    def forward(self, codes, x):
+        return self.decoder(codes).mean() + self.stats(x)
+
+
+def test_the_fp32_floor_leaves_a_real_fault_beside_the_noise_flagged():
+    torch.manual_seed(0)
+    report = ampaudit.check(_NoiseThenFault(), torch.randint(0, 16, (2, 40)), torch.randn(8, 32), device="cuda",
+                            dtype="float16", calibrate=True)
+    assert {f.module for f in report.findings if f.rule == "AMP701"} == {"stats"}, \
+        [(f.rule, f.module, f.message) for f in report.findings]
