@@ -72,3 +72,15 @@ def test_clean_models_have_no_culprit_in_either_path(path, tmp_path):
     summary = _report(path, tmp_path)
     assert summary["divergence"]["culprits"] == [] and summary["divergence"]["first_jump"] is None
     assert not [r for r in summary["recommendations"] if r["kind"] == "keep_fp32"]
+
+
+def test_neither_path_judges_a_module_whose_fp32_output_is_rounding_noise(tmp_path):
+    """An untrained decoder's GroupNorms on a constant signal (tests/assets/noise_floor/zero_codebook.py): both
+    paths measure how far FP32's own rounding moves them (the trace's fp32_moved) and judge neither."""
+    path = HERE / "assets" / "noise_floor" / "zero_codebook.py"
+    assert _calibrated_divergence(path) == []
+    summary = _report(path, tmp_path)
+    assert summary["divergence"]["culprits"] == [], summary["divergence"]
+    moved = [json.loads(ln).get("fp32_moved") for ln in (tmp_path / "run.jsonl").read_text().splitlines()
+             if '"divergence"' in ln and '"local"' in ln]
+    assert any(m is not None and m > 0.5 for m in moved), moved

@@ -119,7 +119,8 @@ def _divergence_row(ev: dict, step: int | None) -> dict:
         "step": step, "module": text(ev.get("module")) or "", "scope": text(ev.get("scope")) or "global",
         "param": text(ev.get("param")), "rel_l2": num(ev.get("rel_l2")), "cosine": num(ev.get("cosine")),
         "max_abs": num(ev.get("max_abs")), "sqnr_db": num(ev.get("sqnr_db")),
-        "input_rel_l2": num(ev.get("input_rel_l2")), "output_rel_l2": num(ev.get("output_rel_l2"))}
+        "input_rel_l2": num(ev.get("input_rel_l2")), "output_rel_l2": num(ev.get("output_rel_l2")),
+        "fp32_moved": num(ev.get("fp32_moved"))}       # absent before v7
 
 
 def _steps_summary(data: TraceData) -> dict:

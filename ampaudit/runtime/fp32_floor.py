@@ -10,9 +10,10 @@ decoder on an untrained, all-zero codebook: every frame decodes to the same vect
 residue amplified by 1/sqrt(eps), in FP32 as in fp16: its output moves by ~100%, and a 100% own error against such
 a reference is one noise measured against another, not the low dtype's doing.
 
-``check --calibrate`` measures this only for the modules the divergence verdict would otherwise flag (nothing runs
-for a model without such modules); :func:`ampaudit.runtime.attribution.culprits` leaves out a module FP32's own
-rounding already moves past the verdict's line, and a note names them.
+``check --calibrate`` and the watch's divergence checks with own errors (:func:`mark_local_rows`, the trace's
+``fp32_moved``) measure this only for the modules the divergence verdict would otherwise flag (nothing runs for a
+model without such modules); :func:`ampaudit.runtime.attribution.culprits` leaves out a module FP32's own
+rounding already moves past the verdict's line, in both paths, and ``check`` says so in a note.
 """
 from __future__ import annotations
 
@@ -89,3 +90,24 @@ def fp32_moved(model: nn.Module, args: tuple, kwargs: dict, names: Iterable[str]
         if value is not None:
             out[name] = value
     return out
+
+
+def mark_local_rows(root: nn.Module, args: tuple, kwargs: dict, rows: list[dict], dtype: torch.dtype) -> None:
+    """Add ``fp32_moved`` to the scope-``local`` divergence rows (one check's events) of the modules the own-error
+    verdict would flag among them, measured on this pass's ``args``/``kwargs``."""
+    from ampaudit.runtime.attribution import culprits, excused_nonfinite, rounding_around
+
+    local = [r for r in rows if r.get("scope") == "local" and not r.get("call")]
+    own = {r["module"]: r.get("rel_l2") for r in local}
+    found = culprits(own, dtype, rounding={r["module"]: rounding_around(r) for r in local},
+                     fed_inf=[r["module"] for r in local if excused_nonfinite(r)])
+    names = [c.module for c in found if c.rule != "nonfinite"]
+    if not names:
+        return
+    try:
+        moved = fp32_moved(root, args, kwargs, names)
+    except Exception:  # noqa: BLE001 - the check's own rows stand; its modules are judged as without this
+        return
+    for r in local:
+        if r["module"] in moved:
+            r["fp32_moved"] = moved[r["module"]]

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ampaudit.errors import UsageError
 from ampaudit.runtime.divergence import DivergenceProbe
+from ampaudit.runtime.fp32_floor import mark_local_rows
 
 
 def _composites_by_depth(names: dict[nn.Module, str]) -> list[frozenset[nn.Module]]:
@@ -108,7 +109,11 @@ class DivergenceSchedule:
             probe.shadow(args, kwargs, rng_state=rng_state, grad=grads)
             if grads:
                 probe.grads(upstream)
-            return probe.events()
+            rows = probe.events()
+            # Would-be culprits whose FP32 output FP32's own rounding moves (an untrained decoder's norms): the
+            # report leaves them out, as check --calibrate does.
+            mark_local_rows(self.root, args, kwargs, rows, probe.dtype)
+            return rows
         except Exception as exc:  # noqa: BLE001 - reported, and the training loop goes on
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             warnings.warn(f"ampaudit.watch: the divergence check at step {self._last_step} failed "

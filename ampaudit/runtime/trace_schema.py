@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The newest version ampaudit writes and reads (it reads every older one too); a newer trace is read as far as it is known.
-TRACE_VERSION = 6
+TRACE_VERSION = 7
 # Every event has these two keys besides its fields: its kind and the training step (null when none).
 ENVELOPE = ("event", "step")
 
@@ -73,7 +73,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("nonfinite", 1, ("phase", "module", "op", "source", "kind", "cause", "dtype"),
               ("message", "low_precision", "fp32_too", "scaled_only")),
     EventKind("divergence", 1, ("module", "scope", "rel_l2", "cosine", "max_abs", "sqnr_db"),
-              ("call", "param", "input_rel_l2", "output_rel_l2")),
+              ("call", "param", "input_rel_l2", "output_rel_l2", "fp32_moved")),
     EventKind("skip", 1, ("scale", "params", "modules"), ("scope",)),
     EventKind("checkpoint", 1, ("path",)),
     EventKind("halt", 1, ("reason", "diagnosis")),
