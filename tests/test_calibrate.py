@@ -224,25 +224,11 @@ def test_amp601_fires_for_an_inf_a_later_op_absorbs_and_its_why_claims_no_more()
     assert "only passes the fault along" not in found[0].why and "absorb it" in found[0].why
 
 
-class _ZeroCodebookDecoder(nn.Module):
-    """wavtokenizer's decoder on an untrained codebook: every code decodes to zeros, the conv after it outputs its
-    bias, constant over time, and the GroupNorms normalise that constant signal: their FP32 output is rounding
-    residue times 1/sqrt(eps), as their fp16 one is."""
+def _ZeroCodebookDecoder():
+    """wavtokenizer's decoder on an untrained codebook (tests/assets/noise_floor/zero_codebook.py)."""
+    from conftest import load_module
 
-    def __init__(self):
-        super().__init__()
-        self.codebook = nn.Embedding(16, 32)
-        nn.init.zeros_(self.codebook.weight)
-        self.embed = nn.Conv1d(32, 32, 7, padding=3)
-        self.norm = nn.GroupNorm(32, 32, eps=1e-6)
-        self.conv = nn.Conv1d(32, 32, 3, padding=1)
-        self.norm2 = nn.GroupNorm(32, 32, eps=1e-6)
-        self.head = nn.Linear(32, 8)
-
-    def forward(self, codes):
-        h = self.embed(self.codebook(codes).transpose(1, 2))
-        h = self.norm2(self.conv(torch.nn.functional.silu(self.norm(h))))
-        return self.head(h.transpose(1, 2))
+    return load_module(ASSETS / "noise_floor" / "zero_codebook.py").ZeroCodebookDecoder()
 
 
 def test_a_module_whose_fp32_output_is_rounding_noise_is_not_a_divergence_culprit():
