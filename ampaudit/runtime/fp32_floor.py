@@ -94,9 +94,14 @@ def fp32_moved(model: nn.Module, args: tuple, kwargs: dict, names: Iterable[str]
 
 def mark_local_rows(root: nn.Module, args: tuple, kwargs: dict, rows: list[dict], dtype: torch.dtype) -> None:
     """Add ``fp32_moved`` to the scope-``local`` divergence rows (one check's events) of the modules the own-error
-    verdict would flag among them, measured on this pass's ``args``/``kwargs``."""
+    verdict would flag among them, measured on this pass's ``args``/``kwargs``. Not in a run of several ranks:
+    each rank would pick its modules alone, and a forward some ranks run and others do not stalls FSDP's and
+    DDP's collectives."""
     from ampaudit.runtime.attribution import culprits, excused_nonfinite, rounding_around
 
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return
     local = [r for r in rows if r.get("scope") == "local" and not r.get("call")]
     own = {r["module"]: r.get("rel_l2") for r in local}
     found = culprits(own, dtype, rounding={r["module"]: rounding_around(r) for r in local},
