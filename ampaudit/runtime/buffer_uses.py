@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_flatten
 from ampaudit.dtypes import limits, name_of
 from ampaudit.runtime.replay_state import capture_rng, float_tensors, preserved
 
-aten = torch.ops.aten
 # Ops whose output is the buffer again, moved, viewed or negated: a use of the output is a use of the buffer.
 _CARRY = {"neg", "abs", "clone", "detach", "alias", "_to_copy", "to", "view", "expand", "reshape", "unsqueeze",
           "squeeze", "t", "lift_fresh", "lift_fresh_copy", "_unsafe_view", "contiguous"}

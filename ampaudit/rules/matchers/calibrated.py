@@ -13,11 +13,8 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-import torch
-
 from ampaudit.graph_meta import SourceLoc
 from ampaudit.dtypes import max_of
-from ampaudit.policy import settings
 from ampaudit.rules.registry import Hit, MatchContext, matcher
 
 _SOURCE_RE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
