@@ -59,8 +59,9 @@ def fp32_moved(model: nn.Module, args: tuple, kwargs: dict, names: Iterable[str]
     place (see the module docstring), for the modules of ``names`` that one FP32 forward on ``args``/``kwargs``
     calls (their first call). Model state and RNG are left as they were; a module that cannot be re-run alone
     (or has no finite output) is left out."""
-    wanted = {mod: name for name, mod in model.named_modules() if name in set(names)}
-    received: dict[str, tuple[nn.Module, Any, Any, dict]] = {}
+    names = set(names)
+    wanted = {mod: name for name, mod in model.named_modules() if name in names}
+    received: dict[str, tuple[nn.Module, Any, Any, torch.Tensor]] = {}
 
     def pre(mod, a, k):
         name = wanted.get(mod)
