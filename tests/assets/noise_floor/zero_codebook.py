@@ -37,7 +37,7 @@ def example_inputs():
 
 def train_data():
     g = torch.Generator().manual_seed(2)
-    for _ in range(100):
+    for _ in range(1000):
         yield torch.randint(0, 16, (2, 40), generator=g), torch.randn(2, 40, 8, generator=g)
 
 
