@@ -32,6 +32,9 @@ makes it; every module after it reads NaN against FP32; :func:`excused_nonfinite
 answer is all zero), or at least ``rounding_total`` (a relative L2 of 1: the
 whole tensor) was lost, where its exact answer or its inputs flush to zero (AMP503) and the relative error
 divides by a reference that is zero in the dtype. An exact answer that is itself non-finite excuses nothing.
+Nor is a finite own error judged where FP32 does not determine the answer either (``unstable``,
+:func:`fp32_unstable`): moving the module's FP32 inputs by one unit in the last place already moves its FP32 output
+past the line (:mod:`ampaudit.runtime.fp32_floor`; a GroupNorm normalising a constant signal on untrained weights).
 
 With own errors, a composite's value no longer holds its children's, so a flagged child does not excuse its
 parent and vice versa. One exception stays: a non-finite own error of a module with a non-finite descendant is
