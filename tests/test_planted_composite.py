@@ -84,3 +84,6 @@ def test_neither_path_judges_a_module_whose_fp32_output_is_rounding_noise(tmp_pa
     moved = [json.loads(ln).get("fp32_moved") for ln in (tmp_path / "run.jsonl").read_text().splitlines()
              if '"divergence"' in ln and '"local"' in ln]
     assert any(m is not None and m > 0.5 for m in moved), moved
+    assert {r["module"] for r in summary["divergence"]["not_judged"]} >= {"norm"}, summary["divergence"]
+    text = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["report", str(tmp_path / "run.jsonl")]).output
+    assert "not judged: norm" in text and "FP32 does not determine it either" in text, text

@@ -225,6 +225,13 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
             what = "own error" if div["scope"] == "local" else f"{div['scope']} error"
             c.print(f"  the error first shows at [bold]{escape(jump['module'] or '<top>')}[/] (step {jump['step']}, "
                     f"{what} {fmt(jump['rel_l2'], '.3g')}, past its {escape(str(jump.get('rule') or 'line'))} line)")
+        unjudged = div.get("not_judged") or []
+        if unjudged:
+            names = ", ".join(escape(r["module"] or "<top>") for r in unjudged[:3])
+            more = f" and {len(unjudged) - 3} more" if len(unjudged) > 3 else ""
+            worst = max(r["fp32_moved"] for r in unjudged)
+            c.print(f"  not judged: {names}{more}: moving their FP32 inputs one unit in the last place moves their "
+                    f"FP32 output by up to {fmt(worst, '.3g')} (relative L2), so FP32 does not determine it either")
     hr = summary["headroom"]
     if hr["top"]:
         dtype = meta.get("dtype") or "dtype"

@@ -6,6 +6,7 @@ where the error first shows.
     found = divergence_culprits(data, tables, "local")    # [Culprit, ...]
     rows = rank_by_verdict(tables["local"], found)        # culprits first, each row with its "verdict"
     first_jump(data, found, "local")                      # {"module", "step", "rel_l2", "rule"} or None
+    not_judged(data, "local")                             # [{"module", "fp32_moved"}]: FP32 does not determine them
 """
 from __future__ import annotations
 
@@ -74,6 +75,18 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
             fed[d["module"]] = fed.get(d["module"], True) and excused_nonfinite(d)
     return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding,
                     fed_inf=[m for m, all_fed in fed.items() if all_fed], unstable=unstable)
+
+
+def not_judged(data: TraceData, scope: str | None) -> list[dict]:
+    """The modules :func:`divergence_culprits` leaves out because FP32's own rounding moves their FP32 output past
+    the line (``fp32_moved``, trace version 7), each with the largest value measured, in trace order."""
+    from ampaudit.runtime.attribution import fp32_unstable
+
+    out: dict[str, float] = {}
+    for d in data.divergence:
+        if d["scope"] == scope and fp32_unstable(d, data.meta.get("dtype")):
+            out[d["module"]] = max(d["fp32_moved"], out.get(d["module"], 0.0))
+    return [{"module": m, "fp32_moved": v} for m, v in out.items()]
 
 
 def rank_by_verdict(rows: list[dict], found: list) -> list[dict]:

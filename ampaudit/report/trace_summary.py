@@ -238,7 +238,8 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
     from ampaudit.policy import divergence_thresholds
     from ampaudit.report.grad_hist import grad_hist_summary
     from ampaudit.report.trace_decisions import decision_summary
-    from ampaudit.report.trace_divergence import divergence_culprits, divergence_table, first_jump, rank_by_verdict
+    from ampaudit.report.trace_divergence import (divergence_culprits, divergence_table, first_jump, not_judged,
+                                                  rank_by_verdict)
     from ampaudit.report.trace_eval import eval_summary
     from ampaudit.report.trace_fp8 import fp8_summary
     from ampaudit.report.trace_precursors import precursor_summary
@@ -275,7 +276,8 @@ def summarize(events: Iterable[dict] | TraceData, problems: Iterable[str] = (), 
                        "top": tables.get(scope, [])[:top] if scope else [],
                        "grad_top": tables.get("grad", [])[:top], "threshold": high,
                        "culprits": [c.as_dict() for c in found],
-                       "first_jump": first_jump(data, found, scope)},
+                       "first_jump": first_jump(data, found, scope),
+                       "not_judged": not_judged(data, scope)},
         "headroom": {"modules": len(headroom), "top": headroom[:top]},
         "fp8": fp8_summary(data),
         "recipes": recipes_summary(data),
