@@ -87,3 +87,4 @@ def test_neither_path_judges_a_module_whose_fp32_output_is_rounding_noise(tmp_pa
     assert {r["module"] for r in summary["divergence"]["not_judged"]} >= {"norm"}, summary["divergence"]
     text = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["report", str(tmp_path / "run.jsonl")]).output
     assert "not judged: norm" in text and "FP32 does not determine it either" in text, text
+    assert "not judged (FP32 floor)" in text, text

@@ -73,10 +73,12 @@ def _divergence_table(div: dict) -> Table:
     _columns(t, (("module", "left"), ("max rel_l2", "right"), ("at step", "right"), ("last", "right"),
                  ("min SQNR dB", "right"), (f"above {div.get('threshold', 0.05):.3g} from", "right"),
                  ("verdict", "left")))
+    unjudged = {r["module"] for r in div.get("not_judged") or []}
     for r in div["top"]:
+        verdict = "not judged (FP32 floor)" if r["module"] in unjudged else _verdict(r.get("verdict"))
         t.add_row(escape(r["module"] or "<top>"), fmt(r["max_rel_l2"]), str(r["max_step"] or "-"),
                   fmt(r["last_rel_l2"]), fmt(r["min_sqnr_db"], ".1f"),
-                  f"step {r['drift_step']}" if r["drift_step"] is not None else "-", _verdict(r.get("verdict")))
+                  f"step {r['drift_step']}" if r["drift_step"] is not None else "-", verdict)
     return t
 
 
