@@ -52,7 +52,7 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
     """The flagged modules of the ranked scope (:func:`ampaudit.runtime.attribution.culprits` on each module's
     worst value): the verdict ``check --calibrate`` gives. Own errors (scope "local") are judged on their own;
     other scopes accumulate from the input on and are judged as inherited (a module below explains its parents)."""
-    from ampaudit.runtime.attribution import culprits, excused_nonfinite, fp32_unstable, rounding_around
+    from ampaudit.runtime.attribution import culprits, excused_nonfinite, rounding_around
 
     if scope is None:
         return []
@@ -61,12 +61,9 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
     # module -> whether every non-finite own error it had came on inputs already inf in the dtype, or on an
     # all-zero FP32 answer
     fed: dict[str, bool] = {}
-    unstable: set[str] = set()       # FP32 itself does not determine the output (version 7's fp32_moved)
     for d in data.divergence:
         if d["scope"] != scope:
             continue
-        if fp32_unstable(d, data.meta.get("dtype")):
-            unstable.add(d["module"])
         lost = rounding_around(d)
         if lost is not None and math.isfinite(lost):
             rounding[d["module"]] = max(lost, rounding.get(d["module"], 0.0))
@@ -74,7 +71,8 @@ def divergence_culprits(data: TraceData, tables: dict[str, list[dict]], scope: s
         if value is not None and not math.isfinite(value):
             fed[d["module"]] = fed.get(d["module"], True) and excused_nonfinite(d)
     return culprits(worst, data.meta.get("dtype"), inherited=scope != "local", rounding=rounding,
-                    fed_inf=[m for m, all_fed in fed.items() if all_fed], unstable=unstable)
+                    fed_inf=[m for m, all_fed in fed.items() if all_fed],
+                    unstable=[r["module"] for r in not_judged(data, scope)])
 
 
 def not_judged(data: TraceData, scope: str | None) -> list[dict]:

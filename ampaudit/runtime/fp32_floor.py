@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ampaudit.runtime.fp32 import ieee_fp32, upcast
+from ampaudit.runtime.metric_batch import finish_metrics, metric_sums
 from ampaudit.runtime.replay_state import capture_rng, float_tensors, preserved, rng_replayed
 
 
@@ -45,12 +46,11 @@ def _moved(tree: Any, gen: torch.Generator) -> Any:
 
 
 def _rel_l2(ref: list[torch.Tensor], other: list[torch.Tensor]) -> float | None:
-    pairs = [(a.double(), b.double()) for a, b in zip(ref, other) if a.shape == b.shape]
-    if not pairs or not all(bool(torch.isfinite(a).all()) for a, _ in pairs):
+    # The divergence probe's own metric (sampled the same way), so the value is comparable with its line.
+    if not ref or not all(bool(torch.isfinite(a).all()) for a in ref):
         return None        # no finite reference to be relative to: other verdicts judge non-finite values
-    num = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in pairs))
-    den = math.sqrt(sum(float((a ** 2).sum()) for a, _ in pairs))
-    return num / den if den else (0.0 if num == 0 else math.inf)
+    sums = metric_sums(list(zip(other, ref)))
+    return None if sums is None else finish_metrics(sums.tolist())["rel_l2"]
 
 
 def fp32_moved(model: nn.Module, args: tuple, kwargs: dict, names: Iterable[str], *,
